@@ -1,0 +1,112 @@
+"""The collectives the passes insert, as traceable functional ops with exact adjoints.
+
+Everything here is called while the passes re-trace a graph, so it must be expressible in the
+graph: ``torch.ops._c10d_functional`` ops (whose registered autograd formulas are the exact
+adjoints: all-to-all reverses, all-gather reduce-scatters, all-reduce all-reduces) plus two small
+custom ops for the one place where the adjoint alone is not what we want, the graph outputs.
+
+Why outputs are special: every rank of an SP group returns the same (replicated) outputs, and the
+user back-propagates the same gradient into each copy. Summing the ranks' parameter gradients
+would then count replicated work P times. ``scale_gradient`` divides the gradient entering a
+replicated output by P, after which the exact adjoints make the sum over the group equal the
+single-process gradient. A sequence gathered straight into an output takes a cheaper route:
+``replicated_output`` hands each rank back the slice of the gradient that belongs to its own chunk,
+which is what the reduce-scatter adjoint would compute, without the communication.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dcp_compile.sequence_chunks import chunk_lengths, chunk_start, max_chunk_length
+
+functional = torch.ops._c10d_functional
+
+
+def _wait(tensor: torch.Tensor) -> torch.Tensor:
+    return functional.wait_tensor(tensor)
+
+
+def all_to_all(tensor: torch.Tensor, output_splits: list, input_splits: list, group_name: str) -> torch.Tensor:
+    """``all_to_all_single`` along dim 0 with (possibly uneven, symbolic) split sizes."""
+    return _wait(functional.all_to_all_single(tensor.contiguous(), output_splits, input_splits, group_name))
+
+
+def all_reduce_sum(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
+    return _wait(functional.all_reduce(tensor.contiguous(), "sum", group_name))
+
+
+def gather_sequence(local: torch.Tensor, dim: int, full_length, sp_size: int, group_name: str) -> torch.Tensor:
+    """All-gather the chunks of a sequence dimension into the full, ordered sequence.
+
+    Chunks may differ in length by one (or be empty), and ``all_gather_into_tensor`` needs equal
+    pieces: each rank pads its chunk to the longest one, gathers, and keeps the valid rows of each
+    piece. The autograd adjoint (reduce-scatter, then the padding's slice) is exact.
+    """
+    longest = max_chunk_length(full_length, sp_size)
+    moved = local.movedim(dim, 0)
+    padding = longest - moved.shape[0]
+    padded = torch.cat([moved, moved.new_zeros((padding, *moved.shape[1:]))], dim=0)
+    gathered = _wait(functional.all_gather_into_tensor(padded.contiguous(), sp_size, group_name))
+    pieces = gathered.view(sp_size, longest, *moved.shape[1:])
+    lengths = chunk_lengths(full_length, sp_size)
+    full = torch.cat([pieces[rank, : lengths[rank]] for rank in range(sp_size)], dim=0)
+    return full.movedim(0, dim)
+
+
+def narrow_to_chunk(full: torch.Tensor, dim: int, full_length, sp_size: int, rank: int) -> torch.Tensor:
+    """This rank's chunk of a full sequence dimension (a view: slicing costs nothing)."""
+    start = chunk_start(full_length, sp_size, rank)
+    length = chunk_lengths(full_length, sp_size)[rank]
+    return full.narrow(dim, start, length)
+
+
+# --- output gradient ops ---------------------------------------------------------------------
+
+@torch.library.custom_op("dcp::scale_gradient", mutates_args=())
+def scale_gradient(tensor: torch.Tensor, scale: float) -> torch.Tensor:
+    """Identity forward; multiplies the incoming gradient by ``scale`` in backward."""
+    return tensor.clone()
+
+
+@scale_gradient.register_fake
+def _(tensor, scale):
+    return torch.empty_like(tensor)
+
+
+def _scale_gradient_backward(ctx, grad):
+    return grad * ctx.scale, None
+
+
+def _scale_gradient_setup(ctx, inputs, output):
+    ctx.scale = inputs[1]
+
+
+scale_gradient.register_autograd(_scale_gradient_backward, setup_context=_scale_gradient_setup)
+
+
+@torch.library.custom_op("dcp::replicated_output", mutates_args=())
+def replicated_output(full: torch.Tensor, local: torch.Tensor, dim: int, start: int) -> torch.Tensor:
+    """Return ``full`` (gathered from every rank's ``local`` chunk); the gradient goes to ``local``.
+
+    The gradient of a replicated output is the same on every rank, so each rank's share of it is
+    just the slice at its own chunk: no reduce-scatter needed.
+    """
+    return full.clone()
+
+
+@replicated_output.register_fake
+def _(full, local, dim, start):
+    return torch.empty_like(full)
+
+
+def _replicated_output_setup(ctx, inputs, output):
+    _, local, dim, start = inputs
+    ctx.dim, ctx.start, ctx.length = dim, start, local.shape[dim]
+
+
+def _replicated_output_backward(ctx, grad):
+    return None, grad.narrow(ctx.dim, ctx.start, ctx.length), None, None
+
+
+replicated_output.register_autograd(_replicated_output_backward, setup_context=_replicated_output_setup)

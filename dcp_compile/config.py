@@ -1,0 +1,78 @@
+"""The backend's options, validated once, with errors that list what is valid."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dcp_compile.variants import RECOMPUTE_POLICIES, Bucket, Variant
+
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass(frozen=True)
+class DCPOptions:
+    sp_size: int | None = None  # static mode: one SP size for every batch (default: the world)
+    inner: str = "inductor"
+    buckets: tuple[Bucket, ...] = ()
+    recompute: str = "none"  # policy of the static variant
+    memory_budget: float | None = None
+    disable_passes: tuple[str, ...] = ()
+    debug_dir: str | None = None
+
+    @property
+    def valid_names(self) -> list[str]:
+        return sorted(self.__dataclass_fields__)
+
+
+def _parse_bucket(entry: Any, index: int) -> Bucket:
+    if isinstance(entry, Bucket):
+        return entry
+    if not isinstance(entry, dict):
+        raise TypeError(f"dcp: bucket {index} must be a dict like "
+                        "{'max_len': 2048, 'sp_size': 1, 'recompute': 'none'}, got " f"{entry!r}")
+    known = {"max_len", "sp_size", "recompute", "memory_budget"}
+    unknown = set(entry) - known
+    if unknown:
+        raise ValueError(f"dcp: bucket {index} has unknown keys {sorted(unknown)}; valid keys: {sorted(known)}")
+    if "max_len" not in entry:
+        raise ValueError(f"dcp: bucket {index} needs 'max_len' (an int, or None for no upper bound)")
+    max_len = entry["max_len"]
+    if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
+        raise ValueError(f"dcp: bucket {index} has max_len={max_len!r}; use a positive int or None")
+    from dcp_compile.process_groups import validate_sp_size
+
+    sp_size = validate_sp_size(entry.get("sp_size", 1))
+    return Bucket(max_len, Variant(sp_size, entry.get("recompute", "none"), entry.get("memory_budget")))
+
+
+def parse_options(options: dict[str, Any] | None) -> DCPOptions:
+    options = dict(options or {})
+    valid = sorted(DCPOptions.__dataclass_fields__)
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"dcp: unknown option(s) {unknown}; valid options are {valid}")
+    inner = options.get("inner", "inductor")
+    if inner not in INNER_COMPILERS:
+        raise ValueError(f"dcp: unknown inner compiler {inner!r}; use one of {list(INNER_COMPILERS)}")
+    sp_size = options.get("sp_size")
+    if sp_size is not None:
+        from dcp_compile.process_groups import validate_sp_size
+
+        sp_size = validate_sp_size(sp_size)
+    recompute = options.get("recompute", "none")
+    if recompute not in RECOMPUTE_POLICIES:
+        raise ValueError(f"dcp: unknown recompute policy {recompute!r}; use one of {list(RECOMPUTE_POLICIES)}")
+    buckets = tuple(_parse_bucket(entry, i) for i, entry in enumerate(options.get("buckets") or ()))
+    max_lens = [b.max_len for b in buckets]
+    if len(set(max_lens)) != len(max_lens):
+        raise ValueError(f"dcp: two buckets share a max_len ({max_lens}); each bucket needs its own bound")
+    return DCPOptions(
+        sp_size=sp_size,
+        inner=inner,
+        buckets=buckets,
+        recompute=recompute,
+        memory_budget=options.get("memory_budget"),
+        disable_passes=tuple(options.get("disable_passes", ())),
+        debug_dir=options.get("debug_dir"),
+    )

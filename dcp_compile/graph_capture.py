@@ -1,0 +1,119 @@
+"""From the graph dynamo hands the backend to an ATen graph the passes can read.
+
+Dynamo's graph speaks torch IR (``torch.nn.functional.linear``, ``x.view(...)``, method calls,
+checkpointed regions as nested graph modules). One pre-dispatch ATen re-trace normalizes all of
+that to a single spelling per op (``aten.linear``, ``aten.view``, ``aten.scaled_dot_product_attention``)
+while keeping the ops above autograd, so AOTAutograd can still differentiate the transformed graph.
+Checkpointed regions are inlined first, each of their nodes tagged the way AOTAutograd tags them
+(``recompute`` / ``ac_graph_id``), so the partitioner still recomputes them.
+
+Every later re-trace (the sharding passes rewrite by re-tracing) uses the same fake inputs, which
+carry the symbolic sizes dynamo allocated: the sequence length stays one symbol from end to end.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch._guards import TracingContext, detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+checkpoint_hop = torch.ops.higher_order.tag_activation_checkpoint
+
+
+def fake_inputs_for(example_inputs: Sequence[Any]) -> tuple[list[Any], Any]:
+    """Fake copies of the backend's example inputs, with dynamo's symbolic sizes."""
+    context = TracingContext.try_get()
+    fake_mode = context.fake_mode if context is not None else detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def fakify(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if getattr(value, "fake_mode", None) is fake_mode:
+            return value
+        symbolic_context = context.tensor_to_context.get(value) if context is not None else None
+        source = symbolic_context.tensor_source if symbolic_context is not None else None
+        return fake_mode.from_tensor(value, symbolic_context=symbolic_context, source=source)
+
+    return [fakify(value) for value in example_inputs], fake_mode
+
+
+def inline_checkpointed_regions(gm: fx.GraphModule) -> int:
+    """Replace each ``tag_activation_checkpoint`` call by its body, tagged for recomputation."""
+    regions = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not checkpoint_hop:
+            continue
+        body: fx.GraphModule = getattr(gm, node.args[0].target)
+        inline_checkpointed_regions(body)
+        env: dict[fx.Node, Any] = {}
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        for placeholder, argument in zip(placeholders, node.args[1:]):
+            env[placeholder] = argument
+        result: Any = None
+        with gm.graph.inserting_before(node):
+            for body_node in body.graph.nodes:
+                if body_node.op == "placeholder":
+                    continue
+                if body_node.op == "output":
+                    result = fx.map_arg(body_node.args[0], lambda n: env[n])
+                    break
+                if body_node.op == "get_attr":
+                    # Bodies keep their own attributes (constants, nested graphs): hoist them.
+                    qualified = f"_dcp_inlined_{regions}_{body_node.target.replace('.', '_')}"
+                    setattr(gm, qualified, getattr(body, body_node.target))
+                    copied = gm.graph.get_attr(qualified)
+                    copied.meta = dict(body_node.meta)
+                else:
+                    copied = gm.graph.node_copy(body_node, lambda n: env[n])
+                copied.meta.setdefault("recompute", CheckpointPolicy.PREFER_RECOMPUTE)
+                copied.meta.setdefault("ac_graph_id", 1000 + regions)
+                env[body_node] = copied
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(result[user.args[1]])
+                gm.graph.erase_node(user)
+        if node.users:
+            node.replace_all_uses_with(result)
+        gm.graph.erase_node(node)
+        regions += 1
+    if regions:
+        gm.graph.eliminate_dead_code()
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return regions
+
+
+def retrace(function: Callable[..., Any], fake_inputs: Sequence[Any], fake_mode: Any) -> fx.GraphModule:
+    """Trace ``function(*fake_inputs)`` to a pre-dispatch ATen graph, keeping node metadata.
+
+    ``preserve_node_meta`` lets the ``recompute`` tags and stack traces of the interpreted graph's
+    nodes follow into the ops they turn into.
+    """
+    with fake_mode, fx_traceback.preserve_node_meta():
+        return make_fx(function, pre_dispatch=True, record_module_stack=False)(*fake_inputs)
+
+
+def interpret(gm: fx.GraphModule) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        return fx.Interpreter(gm).run(*args)
+
+    return run
+
+
+def capture_aten_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, list[Any], Any]:
+    """Dynamo's graph as a pre-dispatch ATen graph, with its fake inputs and fake mode."""
+    fake_inputs, fake_mode = fake_inputs_for(example_inputs)
+    inline_checkpointed_regions(gm)
+    aten_gm = retrace(interpret(gm), fake_inputs, fake_mode)
+    return aten_gm, fake_inputs, fake_mode

@@ -1,0 +1,99 @@
+"""Hand a transformed graph to the compiler that turns it into code, recording what it made.
+
+All three go through AOTAutograd's view of the graph except ``eager``: the forward and backward
+graphs of a variant are kept on its record (that is where the partitioner's decisions, the saved
+activations and the backward all-to-alls can be read).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from dcp_compile.record import VariantRecord
+
+
+def _tensor_bytes(value: Any) -> int:
+    if not isinstance(value, torch.Tensor):
+        return 0
+    numel = 1
+    for size in value.shape:
+        numel *= int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else int(size)
+    return numel * value.element_size()
+
+
+def saved_activation_bytes(forward: fx.GraphModule, num_user_outputs: int | None = None) -> int:
+    """Bytes the forward graph returns beyond the user outputs: what backward keeps alive."""
+    output = next(n for n in forward.graph.nodes if n.op == "output")
+    values = list(output.args[0])
+    saved = values[num_user_outputs:] if num_user_outputs is not None else values
+    placeholders = {n for n in forward.graph.nodes if n.op == "placeholder"}
+    return sum(_tensor_bytes(n.meta.get("val")) for n in saved if isinstance(n, fx.Node) and n not in placeholders)
+
+
+def _record_forward(record: VariantRecord, gm: fx.GraphModule, num_user_outputs: int) -> None:
+    from dcp_compile.passes.pass_runner import readable
+
+    record.forward_graph = readable(gm)
+    record.saved_activation_bytes = saved_activation_bytes(gm, num_user_outputs)
+
+
+def _record_backward(record: VariantRecord, gm: fx.GraphModule) -> None:
+    from dcp_compile.passes.pass_runner import readable
+
+    record.backward_graph = readable(gm)
+
+
+def _num_outputs(gm: fx.GraphModule) -> int:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return len(output.args[0]) if isinstance(output.args[0], (tuple, list)) else 1
+
+
+def compile_aot_eager(gm: fx.GraphModule, example_inputs: list[Any], record: VariantRecord) -> Callable:
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    user_outputs = _num_outputs(gm)
+
+    def forward_compiler(forward: fx.GraphModule, inputs: list[Any]) -> Callable:
+        _record_forward(record, forward, user_outputs)
+        return make_boxed_func(forward.forward)
+
+    def backward_compiler(backward: fx.GraphModule, inputs: list[Any]) -> Callable:
+        _record_backward(record, backward)
+        return make_boxed_func(backward.forward)
+
+    return aot_module_simplified(
+        gm, example_inputs, fw_compiler=forward_compiler, bw_compiler=backward_compiler,
+        partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True,
+    )
+
+
+def compile_inductor(gm: fx.GraphModule, example_inputs: list[Any], record: VariantRecord) -> Callable:
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    user_outputs = _num_outputs(gm)
+
+    def recording_inner(graph: fx.GraphModule, inputs: list[Any], **kwargs: Any):
+        if kwargs.get("is_backward"):
+            _record_backward(record, graph)
+        else:
+            _record_forward(record, graph, user_outputs)
+        return compile_fx_inner(graph, inputs, **kwargs)
+
+    return compile_fx(gm, example_inputs, inner_compile=recording_inner)
+
+
+def compile_eager(gm: fx.GraphModule, example_inputs: list[Any], record: VariantRecord) -> Callable:
+    return gm
+
+
+INNER_COMPILERS: dict[str, Callable[[fx.GraphModule, list[Any], VariantRecord], Callable]] = {
+    "inductor": compile_inductor,
+    "aot_eager": compile_aot_eager,
+    "eager": compile_eager,
+}

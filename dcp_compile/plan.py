@@ -1,0 +1,287 @@
+"""The records a plan is made of: what each rank trains on in one optimizer step.
+
+Two layers:
+
+* :class:`Schedule` / :class:`ScheduledMicroBatch` are what a scheduler (our planner or a
+  baseline) produces: micro-batches of *positions* in the step's list of sequences, each on an
+  aligned block of ranks. A schedule knows nothing about datasets or loss weights, so all
+  schedulers are compared on equal terms.
+* :class:`StepPlan` / :class:`GroupPlan` / :class:`MicroBatch` are what the training loop sees:
+  dataset indices, SP group ranks, recompute policy and the loss scale, for one rank, plus the
+  global view (all groups) that every rank derives identically.
+
+Execution order. A rank may belong to several groups in one step (a block of 4 ranks runs a long
+sequence together, then each of its ranks runs short ones alone). Every rank runs its
+micro-batches by descending SP size, then ascending first rank of the group, then plan order. Two
+micro-batches that share ranks are then run in the same order by every rank they share (aligned
+blocks are nested or disjoint), so collectives never cross, and the ranks of a group reach each
+group's micro-batches together: a rank's finish time is exactly the sum of its micro-batch times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler output
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ScheduledMicroBatch:
+    """One micro-batch of a schedule: ``positions`` index the step's sequence list."""
+
+    positions: list[int]
+    sp_size: int
+    first_rank: int
+    recompute: str
+    predicted_time: float
+    tokens: int
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.sp_size)
+
+
+@dataclass
+class Schedule:
+    """A scheduler's answer for one step: micro-batches on aligned rank blocks."""
+
+    world_size: int
+    microbatches: list[ScheduledMicroBatch]
+    scheduler: str = "dcp"
+
+    def rank_loads(self) -> list[float]:
+        """Seconds each rank spends (the sum of its micro-batch times)."""
+        loads = [0.0] * self.world_size
+        for microbatch in self.microbatches:
+            for rank in microbatch.ranks:
+                loads[rank] += microbatch.predicted_time
+        return loads
+
+    @property
+    def makespan(self) -> float:
+        return max(self.rank_loads(), default=0.0)
+
+    def positions(self) -> list[int]:
+        """Every scheduled position (each exactly once in a valid schedule)."""
+        return [p for microbatch in self.microbatches for p in microbatch.positions]
+
+    def validate(self, num_sequences: int) -> None:
+        """Raise if a sequence is missing or repeated, or a block is misaligned."""
+        seen = sorted(self.positions())
+        if seen != list(range(num_sequences)):
+            missing = sorted(set(range(num_sequences)) - set(seen))
+            repeated = sorted({p for p in seen if seen.count(p) > 1})
+            raise AssertionError(f"{self.scheduler}: schedule misses positions {missing[:10]} / repeats {repeated[:10]}")
+        for microbatch in self.microbatches:
+            size = microbatch.sp_size
+            if size & (size - 1) or microbatch.first_rank % size or microbatch.first_rank + size > self.world_size:
+                raise AssertionError(f"{self.scheduler}: misaligned group {microbatch.first_rank}+{size}")
+
+
+# ---------------------------------------------------------------------------------------------
+# What the training loop sees
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward/backward on this rank.
+
+    ``indices`` are dataset indices (every rank of ``group_ranks`` gets the same, full batch; the
+    compiled model shards it), ``loss_scale`` multiplies the micro-batch's mean token loss so that
+    the step's summed gradient is the gradient of the mean token loss over the whole step.
+    """
+
+    indices: tuple[int, ...]
+    sp_size: int
+    recompute: str
+    loss_scale: float
+    group_ranks: tuple[int, ...]
+    predicted_time: float
+    tokens: int = 0
+
+    @property
+    def first_rank(self) -> int:
+        return self.group_ranks[0]
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """The micro-batches one aligned SP group runs, in order."""
+
+    sp_size: int
+    ranks: tuple[int, ...]
+    microbatches: tuple[MicroBatch, ...]
+
+    @property
+    def predicted_time(self) -> float:
+        return sum(mb.predicted_time for mb in self.microbatches)
+
+    @property
+    def tokens(self) -> int:
+        return sum(mb.tokens for mb in self.microbatches)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(mb.indices) for mb in self.microbatches)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One optimizer step: this rank's micro-batches (in execution order) and every group."""
+
+    step: int
+    epoch: int
+    microbatches: tuple[MicroBatch, ...]
+    groups: tuple[GroupPlan, ...]
+    predicted_makespan: float
+    tokens: int
+    rank: int = 0
+    world_size: int = 1
+    lower_bound: float = 0.0
+    scheduler: str = "dcp"
+    _hash: list[str] = field(default_factory=list, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def indices(self) -> list[int]:
+        """Every dataset index of the step (all ranks), in group order."""
+        return [i for group in self.groups for mb in group.microbatches for i in mb.indices]
+
+    def rank_microbatches(self, rank: int) -> tuple[MicroBatch, ...]:
+        """The micro-batches ``rank`` runs, in the execution order described in the module docstring."""
+        return _rank_microbatches(self.groups, rank)
+
+    def predicted_rank_times(self) -> list[float]:
+        loads = [0.0] * self.world_size
+        for group in self.groups:
+            for rank in group.ranks:
+                loads[rank] += group.predicted_time
+        return loads
+
+    def plan_hash(self) -> str:
+        """A digest of the global plan (groups, indices, policies, step, epoch), the same on every
+        rank that derived the same plan. Predicted times are left out: they are floats, and two
+        ranks that agree on what to run agree on the plan."""
+        if not self._hash:
+            payload = [
+                self.epoch, self.step, self.world_size,
+                [
+                    [group.sp_size, group.ranks[0], [[list(mb.indices), mb.recompute] for mb in group.microbatches]]
+                    for group in self.groups
+                ],
+            ]
+            self._hash.append(hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest())
+        return self._hash[0]
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_schedule(
+        cls,
+        schedule: Schedule,
+        *,
+        step: int,
+        epoch: int,
+        rank: int,
+        indices: Sequence[int],
+        lengths: Sequence[int],
+        supervised_tokens: Sequence[int] | None = None,
+        lower_bound: float = 0.0,
+    ) -> "StepPlan":
+        """Turn a schedule over the step's sequences (``indices[p]``, ``lengths[p]``) into a plan.
+
+        ``loss_scale = supervised_tokens(micro-batch) / supervised_tokens(step)``; supervised
+        tokens default to the lengths.
+        """
+        supervised = list(lengths if supervised_tokens is None else supervised_tokens)
+        step_supervised = sum(supervised)
+        if step_supervised <= 0:
+            log.warning("step %d of epoch %d has no supervised tokens: every loss_scale is 0", step, epoch)
+        ordered = sorted(
+            enumerate(schedule.microbatches), key=lambda item: (-item[1].sp_size, item[1].first_rank, item[0])
+        )
+        grouped: dict[tuple[int, int], list[MicroBatch]] = {}
+        for _, scheduled in ordered:
+            mb_supervised = sum(supervised[p] for p in scheduled.positions)
+            record = MicroBatch(
+                indices=tuple(int(indices[p]) for p in scheduled.positions),
+                sp_size=scheduled.sp_size,
+                recompute=scheduled.recompute,
+                loss_scale=(mb_supervised / step_supervised) if step_supervised > 0 else 0.0,
+                group_ranks=tuple(scheduled.ranks),
+                predicted_time=scheduled.predicted_time,
+                tokens=sum(int(lengths[p]) for p in scheduled.positions),
+            )
+            grouped.setdefault((scheduled.sp_size, scheduled.first_rank), []).append(record)
+        groups = tuple(
+            GroupPlan(sp_size=size, ranks=tuple(range(first, first + size)), microbatches=tuple(mbs))
+            for (size, first), mbs in grouped.items()
+        )
+        return cls(
+            step=step,
+            epoch=epoch,
+            microbatches=_rank_microbatches(groups, rank),
+            groups=groups,
+            predicted_makespan=schedule.makespan,
+            tokens=int(sum(lengths)),
+            rank=rank,
+            world_size=schedule.world_size,
+            lower_bound=lower_bound,
+            scheduler=schedule.scheduler,
+        )
+
+    # ------------------------------------------------------------------ display
+    def __str__(self) -> str:
+        samples = sum(group.num_samples for group in self.groups)
+        header = (
+            f"step {self.step} (epoch {self.epoch}) | rank {self.rank} of {self.world_size} | "
+            f"{samples} samples, {self.tokens:,} tokens | predicted makespan {_seconds(self.predicted_makespan)}"
+        )
+        if self.lower_bound > 0 and self.predicted_makespan > 0:
+            header += f" (lower bound {_seconds(self.lower_bound)}, {100 * self.lower_bound / self.predicted_makespan:.1f}%)"
+        columns = ("", "ranks", "sp", "micro-batches", "samples", "tokens", "recompute", "time")
+        rows = []
+        for group in self.groups:
+            policies = sorted({mb.recompute for mb in group.microbatches}, key=_policy_order)
+            first, last = group.ranks[0], group.ranks[-1]
+            rows.append((
+                "*" if self.rank in group.ranks else "",
+                f"{first}" if first == last else f"{first}-{last}",
+                str(group.sp_size),
+                str(len(group.microbatches)),
+                str(group.num_samples),
+                f"{group.tokens:,}",
+                ",".join(policies),
+                _seconds(group.predicted_time),
+            ))
+        widths = [max(len(columns[i]), *(len(row[i]) for row in rows)) if rows else len(columns[i]) for i in range(len(columns))]
+        lines = [header, "  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+        lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+        mine = sum(mb.predicted_time for mb in self.microbatches)
+        lines.append(
+            f"this rank ({self.rank}): {len(self.microbatches)} micro-batches, predicted {_seconds(mine)}; "
+            f"plan {self.plan_hash()[:12]}"
+        )
+        return "\n".join(lines)
+
+
+def _rank_microbatches(groups: Sequence[GroupPlan], rank: int) -> tuple[MicroBatch, ...]:
+    mine = [group for group in groups if rank in group.ranks]
+    mine.sort(key=lambda group: (-group.sp_size, group.ranks[0]))
+    return tuple(mb for group in mine for mb in group.microbatches)
+
+
+def _policy_order(policy: str) -> int:
+    order = ("none", "attention", "selective", "full")
+    return order.index(policy) if policy in order else len(order)
+
+
+def _seconds(value: float) -> str:
+    if value >= 1:
+        return f"{value:.3f} s"
+    return f"{1000 * value:.1f} ms"

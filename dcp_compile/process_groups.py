@@ -1,0 +1,110 @@
+"""Sequence-parallel process groups: aligned blocks of consecutive ranks, created once.
+
+``new_group`` is itself a collective over the world: every rank must create every group, in the
+same order, or the job hangs. So all groups of all the sizes a job may use are created together on
+first use, and every rank then looks up the one block that contains it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SequenceParallelGroup:
+    """The SP group of this rank for one SP size."""
+
+    sp_size: int
+    rank: int  # this process's rank inside the group
+    ranks: tuple[int, ...]  # global ranks of the group, consecutive
+    process_group: object | None  # None when sp_size == 1
+
+    @property
+    def group_name(self) -> str:
+        return self.process_group.group_name  # type: ignore[union-attr]
+
+
+_groups: dict[int, SequenceParallelGroup] = {}
+_created_for_world: tuple[int, int] | None = None
+
+
+def default_sp_sizes(world_size: int) -> list[int]:
+    """Powers of two up to the world size, plus the world size itself."""
+    sizes, size = [], 2
+    while size <= world_size:
+        if world_size % size == 0:
+            sizes.append(size)
+        size *= 2
+    if world_size > 1 and world_size not in sizes:
+        sizes.append(world_size)
+    return sizes
+
+
+def validate_sp_size(sp_size: object, world_size: int | None = None) -> int:
+    """Return ``sp_size`` as an int or raise an error that names the value and the fix."""
+    if isinstance(sp_size, bool) or not isinstance(sp_size, int):
+        if isinstance(sp_size, float) and sp_size.is_integer():
+            sp_size = int(sp_size)
+        else:
+            raise TypeError(
+                f"dcp: sp_size must be a positive integer, got {sp_size!r} "
+                f"({type(sp_size).__name__}); pass e.g. options={{'sp_size': 2}}"
+            )
+    if sp_size < 1:
+        raise ValueError(f"dcp: sp_size must be >= 1, got {sp_size}")
+    if sp_size > 1:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"dcp: sp_size={sp_size} needs an initialized torch.distributed process group; "
+                "call torch.distributed.init_process_group('nccl' or 'gloo') before the first "
+                "call of the compiled model (torchrun sets up the environment), or use sp_size=1"
+            )
+        world = dist.get_world_size() if world_size is None else world_size
+        if world % sp_size != 0:
+            divisors = [d for d in range(1, world + 1) if world % d == 0]
+            raise ValueError(
+                f"dcp: sp_size={sp_size} does not divide the world size {world}: SP groups are "
+                f"aligned blocks of consecutive ranks. Use one of {divisors}"
+            )
+    return sp_size
+
+
+def create_sp_groups(extra_sizes: list[int] = ()) -> None:
+    """Create every SP group (all default sizes plus ``extra_sizes``) on every rank, in order.
+
+    A collective over the world: call it on all ranks at the same point (the backend does, on
+    each graph it compiles, and it is a no-op once the groups exist).
+    """
+    global _created_for_world
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    world_key = (world_size, id(dist.group.WORLD))
+    if _created_for_world != world_key:
+        _groups.clear()
+        _created_for_world = world_key
+    sizes = sorted(set(default_sp_sizes(world_size)) | {s for s in extra_sizes if s > 1 and world_size % s == 0})
+    for size in sizes:  # the same order on every rank
+        if size in _groups:
+            continue
+        for block in range(world_size // size):
+            ranks = tuple(range(block * size, (block + 1) * size))
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                _groups[size] = SequenceParallelGroup(size, rank - ranks[0], ranks, group)
+        log.debug("created SP groups of size %d", size)
+
+
+def sp_group(sp_size: int) -> SequenceParallelGroup:
+    """This rank's SP group of ``sp_size`` ranks."""
+    if sp_size == 1:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return SequenceParallelGroup(1, 0, (rank,), None)
+    validate_sp_size(sp_size)
+    if sp_size not in _groups or _created_for_world != (dist.get_world_size(), id(dist.group.WORLD)):
+        # Only safe when every rank gets here together (the first compile does).
+        create_sp_groups([sp_size])
+    return _groups[sp_size]

@@ -1,0 +1,102 @@
+"""What the backend did, kept per compiled graph: the answer to "why is my model slow/wrong?".
+
+``dcp.explain(model, ...)`` returns these records; ``str()`` of one is a readable report.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+
+
+@dataclass
+class PassRecord:
+    name: str
+    variant: str
+    before: str
+    after: str
+    seconds: float
+
+
+@dataclass
+class VariantRecord:
+    variant: Any
+    passes: list[PassRecord] = field(default_factory=list)
+    gathers: list[Any] = field(default_factory=list)
+    rewrites: list[str] = field(default_factory=list)
+    collectives: dict[str, int] = field(default_factory=dict)
+    sharded_regions: int = 0
+    fallback_reason: str | None = None
+    forward_graph: str | None = None
+    backward_graph: str | None = None
+    saved_activation_bytes: int | None = None
+    compile_seconds: float = 0.0
+    calls: int = 0
+    graph: fx.GraphModule | None = None  # the transformed graph handed to the inner compiler
+
+
+@dataclass
+class GraphRecord:
+    graph_id: int
+    attention_sites: list[str] = field(default_factory=list)
+    sequence_length: str | None = None
+    classification: list[tuple[str, str, str, str]] = field(default_factory=list)
+    analysis_passes: list[PassRecord] = field(default_factory=list)
+    variants: dict[Any, VariantRecord] = field(default_factory=dict)
+    dispatches: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
+    trace_seconds: float = 0.0
+
+    def variant(self, key: Any) -> VariantRecord:
+        return self.variants[key]
+
+    def __str__(self) -> str:
+        lines = [f"DCP graph {self.graph_id}"]
+        lines.append(f"  sequence length: {self.sequence_length or 'none (no attention found)'}")
+        lines.append(f"  attention sites: {len(self.attention_sites)}")
+        lines += [f"    {site}" for site in self.attention_sites]
+        counts = collections.Counter(role for _, _, role, _ in self.classification)
+        if counts:
+            lines.append("  sequence dimension roles: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+        mixing = [row for row in self.classification if row[2] == "sequence_mixing"]
+        for name, op, _, detail in mixing:
+            lines.append(f"    sequence-mixing {name} ({op}): {detail}")
+        for key, variant in self.variants.items():
+            lines.append(f"  variant {key}: {variant.calls} call(s), compiled in {variant.compile_seconds:.2f}s")
+            if variant.fallback_reason:
+                lines.append(f"    UNSHARDED fallback: {variant.fallback_reason}")
+            else:
+                lines.append(f"    sharded regions: {variant.sharded_regions}")
+            if variant.collectives:
+                lines.append("    collectives: " + ", ".join(f"{k} x{v}" for k, v in sorted(variant.collectives.items())))
+            for rewrite in variant.rewrites:
+                lines.append(f"    rewrite {rewrite}")
+            for gather in variant.gathers:
+                lines.append(f"    {gather}")
+            if variant.saved_activation_bytes is not None:
+                lines.append(f"    activations saved for backward: {variant.saved_activation_bytes} bytes (symbolic sizes at the traced length)")
+            lines.append("    passes: " + ", ".join(f"{p.name} ({p.seconds * 1000:.0f} ms)" for p in variant.passes))
+        if self.dispatches:
+            lines.append(f"  last dispatches (length -> variant, by what): "
+                         + "; ".join(f"{length}->{key} ({why})" for length, key, why in list(self.dispatches)[-5:]))
+        return "\n".join(lines)
+
+
+@dataclass
+class ModelRecord:
+    """All graphs the backend compiled for one ``torch.compile`` call."""
+
+    graphs: list[GraphRecord] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        if not self.graphs:
+            return "DCP: nothing compiled yet"
+        return "\n\n".join(str(graph) for graph in self.graphs)
+
+    def __getitem__(self, index: int) -> GraphRecord:
+        return self.graphs[index]
+
+    def __len__(self) -> int:
+        return len(self.graphs)

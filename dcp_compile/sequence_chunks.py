@@ -1,0 +1,35 @@
+"""How a sequence of length L is cut into the contiguous chunks that the ranks of an SP group hold.
+
+Rank r of a P-rank group holds ``(L + P - 1 - r) // P`` tokens starting at the sum of the chunks
+before it: the first ``L % P`` ranks hold one token more, and ranks past the end of a short
+sequence hold none. The formulas are plain integer arithmetic so that they work unchanged on
+SymInts: the compiled graph computes every chunk boundary from the symbolic length instead of
+branching on it, which is what keeps one trace valid for every length.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+IntLike = TypeVar("IntLike")
+
+
+def chunk_length(length: IntLike, sp_size: int, rank: int) -> IntLike:
+    """Tokens held by ``rank`` (0 <= rank < sp_size) of a sequence of ``length`` tokens."""
+    return (length + (sp_size - 1 - rank)) // sp_size
+
+
+def chunk_lengths(length: IntLike, sp_size: int) -> list[IntLike]:
+    return [chunk_length(length, sp_size, rank) for rank in range(sp_size)]
+
+
+def chunk_start(length: IntLike, sp_size: int, rank: int) -> IntLike:
+    """Offset of ``rank``'s chunk: the sum of the chunks of the ranks before it."""
+    start = 0
+    for before in range(rank):
+        start = start + chunk_length(length, sp_size, before)
+    return start
+
+
+def max_chunk_length(length: IntLike, sp_size: int) -> IntLike:
+    return chunk_length(length, sp_size, 0)

@@ -1,0 +1,197 @@
+"""Find every attention in an ATen graph, and rewrite hand-written ones into SDPA.
+
+Ulysses needs to know, for each attention, which values are the queries, keys and values, which
+one is the mask, and where the output goes. ``F.scaled_dot_product_attention`` says so directly.
+Hand-written attention (``softmax(q @ k^T * scale + mask) @ v``, in its ``matmul``/``bmm``/``@``,
+``transpose``/``mT``, ``softmax``, dropout spellings) is matched and replaced by the equivalent
+SDPA call, so every later pass deals with a single form. The replacement is exact math: the scale
+becomes SDPA's ``scale``, an additive mask its ``attn_mask``, dropout its ``dropout_p``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dcp_compile.passes.context import PassContext
+
+aten = torch.ops.aten
+log = logging.getLogger(__name__)
+
+SDPA = aten.scaled_dot_product_attention.default
+MATMULS = {aten.matmul.default, aten.bmm.default}
+SOFTMAXES = {aten.softmax.int, aten._softmax.default}
+TRANSPOSES = {aten.transpose.int, aten.mT.default, aten.permute.default}
+
+
+@dataclass
+class AttentionSite:
+    """One attention, as the sharding passes need it."""
+
+    node: fx.Node  # the SDPA node
+    spelling: str  # "sdpa" or "handwritten"
+    query_shape: tuple[str, ...]
+    key_shape: tuple[str, ...]
+
+    @property
+    def query(self) -> fx.Node:
+        return self.node.args[0]
+
+    @property
+    def key(self) -> fx.Node:
+        return self.node.args[1]
+
+    @property
+    def value(self) -> fx.Node:
+        return self.node.args[2]
+
+    @property
+    def mask(self) -> fx.Node | None:
+        return sdpa_argument(self.node, "attn_mask")
+
+    def describe(self) -> str:
+        causal = " causal" if sdpa_argument(self.node, "is_causal") else ""
+        gqa = " gqa" if sdpa_argument(self.node, "enable_gqa") else ""
+        mask = f" mask={self.mask.name}" if self.mask is not None else ""
+        return (
+            f"{self.node.name} ({self.spelling}{causal}{gqa}{mask}): "
+            f"q[{', '.join(self.query_shape)}] k[{', '.join(self.key_shape)}]"
+        )
+
+
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+_SDPA_POSITIONS = {"attn_mask": 3, "dropout_p": 4, "is_causal": 5, "scale": 6, "enable_gqa": 7}
+
+
+def sdpa_argument(node: fx.Node, name: str) -> Any:
+    position = _SDPA_POSITIONS[name]
+    if name in node.kwargs:
+        return node.kwargs[name]
+    if len(node.args) > position:
+        return node.args[position]
+    return _SDPA_DEFAULTS[name]
+
+
+def _shape(node: fx.Node) -> tuple[str, ...]:
+    value = node.meta.get("val")
+    return tuple(str(size) for size in value.shape) if isinstance(value, torch.Tensor) else ()
+
+
+def _rank_of(node: Any) -> int:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return value.dim() if isinstance(value, torch.Tensor) else -1
+
+
+def _swaps_last_two_dims(node: fx.Node) -> bool:
+    rank = _rank_of(node.args[0])
+    if node.target is aten.mT.default:
+        return True
+    if node.target is aten.transpose.int:
+        dims = sorted(d % rank for d in node.args[1:3])
+        return dims == [rank - 2, rank - 1]
+    if node.target is aten.permute.default:
+        order = [d % rank for d in node.args[1]]
+        return order == list(range(rank - 2)) + [rank - 1, rank - 2]
+    return False
+
+
+@dataclass
+class HandwrittenMatch:
+    softmax: fx.Node
+    output: fx.Node
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    mask: fx.Node | None
+    scale: float
+    dropout_p: float
+
+
+def _is_constant_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def find_handwritten_attention(softmax: fx.Node) -> HandwrittenMatch | None:
+    """Match ``[dropout](softmax(matmul(q, k^T) [*|/ c] [+ mask], -1)) @ v`` ending at ``softmax``."""
+    rank = _rank_of(softmax)
+    if rank < 3 or softmax.args[1] % rank != rank - 1:
+        return None
+    if softmax.target is aten._softmax.default and softmax.args[2]:
+        return None  # half-to-float softmax: leave it alone
+    scores, mask, scale = softmax.args[0], None, 1.0
+    if scores.target is aten.add.Tensor and len(scores.users) == 1:
+        left, right = scores.args[0], scores.args[1]
+        if isinstance(left, fx.Node) and isinstance(right, fx.Node):
+            if left.target in MATMULS or left.target in (aten.mul.Tensor, aten.div.Tensor):
+                scores, mask = left, right
+            elif right.target in MATMULS or right.target in (aten.mul.Tensor, aten.div.Tensor):
+                scores, mask = right, left
+    if scores.target in (aten.mul.Tensor, aten.div.Tensor) and len(scores.users) == 1:
+        factor = scores.args[1]
+        if not _is_constant_number(factor):
+            return None
+        scale = float(factor) if scores.target is aten.mul.Tensor else 1.0 / float(factor)
+        scores = scores.args[0]
+    if scores.target not in MATMULS or len(scores.users) != 1:
+        return None
+    query, key_transposed = scores.args
+    if key_transposed.target not in TRANSPOSES or not _swaps_last_two_dims(key_transposed):
+        return None
+    key = key_transposed.args[0]
+    probabilities, dropout_p = softmax, 0.0
+    if len(probabilities.users) != 1:
+        return None
+    user = next(iter(probabilities.users))
+    if user.target is aten.dropout.default:
+        dropout_p = float(user.args[1]) if user.args[2] else 0.0
+        probabilities = user
+        if len(probabilities.users) != 1:
+            return None
+        user = next(iter(probabilities.users))
+    if user.target not in MATMULS or user.args[0] is not probabilities:
+        return None
+    value = user.args[1]
+    if not (_rank_of(query) == _rank_of(key) == _rank_of(value) == rank):
+        return None
+    return HandwrittenMatch(softmax, user, query, key, value, mask, scale, dropout_p)
+
+
+def find_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Record every attention site; rewrite hand-written attention into SDPA nodes."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in SOFTMAXES:
+            continue
+        match = find_handwritten_attention(node)
+        if match is None:
+            continue
+        with gm.graph.inserting_before(match.output):
+            sdpa = gm.graph.call_function(
+                SDPA,
+                (match.query, match.key, match.value),
+                {"attn_mask": match.mask, "dropout_p": match.dropout_p, "scale": match.scale},
+            )
+        sdpa.meta = dict(match.output.meta)
+        sdpa.meta["dcp_spelling"] = "handwritten"
+        match.output.replace_all_uses_with(sdpa)
+        rewritten += 1
+    if rewritten:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    sites = [
+        AttentionSite(node, node.meta.get("dcp_spelling", "sdpa"), _shape(node.args[0]), _shape(node.args[1]))
+        for node in gm.graph.nodes
+        if node.op == "call_function" and node.target is SDPA
+    ]
+    ctx.analysis["attention_sites"] = sites
+    if not sites:
+        log.info("dcp: no attention found in this graph; it runs unsharded on every rank")
+    else:
+        log.info("dcp: found %d attention site(s) (%d hand-written)", len(sites), rewritten)
+    return gm

@@ -1,0 +1,640 @@
+"""Which dimension of every value is the sequence, and what every op does to it.
+
+The sequence length is read off the attention sites (the queries' length dimension), as a
+symbolic expression: ``s0`` for text, ``(H//2)*(W//2)`` for an image model that forms its tokens
+in the graph. A dimension of a value is a sequence dimension when its size is that expression,
+or a product that contains it after a flatten (``[B*S, V]`` logits before the loss): such a
+dimension is recorded as ``outer * L * inner`` in row-major order, which is all a shard or a
+gather needs to address the right rows.
+
+Every node gets a role:
+
+* ``source``: creates a sequence dimension from values that have none (a graph input, an
+  ``arange``, the flatten that turns a patch grid into tokens, the ``cat`` that prepends a CLS
+  token). Computed on the full sequence, then sliced.
+* ``token_local``: keeps each position separate (elementwise, linear over features, norms over
+  features, views that keep the sequence factor): safe on a chunk.
+* ``attention``: reads across the sequence but only inside attention (Ulysses handles it).
+* ``sequence_mixing``: anything else that reads across positions; it needs the full sequence
+  (an all-gather) unless a known rewrite applies (``rewrite`` names it).
+* ``none``: no sequence dimension in or out.
+
+The analysis is built on networkx: the FX graph becomes a DiGraph, and the roles are propagated in
+its topological order.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import networkx as nx
+import sympy
+import torch
+import torch.fx as fx
+
+from dcp_compile.passes.context import PassContext
+from dcp_compile.passes.find_attention import SDPA, AttentionSite
+
+aten = torch.ops.aten
+log = logging.getLogger(__name__)
+
+SOURCE, TOKEN_LOCAL, ATTENTION, MIXING, NONE = "source", "token_local", "attention", "sequence_mixing", "none"
+
+
+@dataclass(frozen=True)
+class SequenceDim:
+    """Dimension ``dim`` has size ``outer * L * inner`` (row-major), L the sequence length."""
+
+    dim: int
+    outer: Any = sympy.Integer(1)
+    inner: Any = sympy.Integer(1)
+
+    @property
+    def plain(self) -> bool:
+        return self.outer == 1 and self.inner == 1
+
+    def moved(self, dim: int) -> "SequenceDim":
+        return SequenceDim(dim, self.outer, self.inner)
+
+    def __str__(self) -> str:
+        if self.plain:
+            return f"dim {self.dim}"
+        return f"dim {self.dim} = {self.outer}*L*{self.inner}"
+
+
+@dataclass
+class NodeRole:
+    role: str
+    sequence_dims: tuple[SequenceDim, ...] = ()  # of the output (of element 0 for tuples)
+    element_dims: tuple[tuple[SequenceDim, ...], ...] | None = None  # per element of a tuple output
+    aligned_inputs: tuple[fx.Node, ...] = ()  # inputs whose chunking must match this node's
+    reason: str = ""
+    rewrite: str | None = None
+
+
+@dataclass
+class SequenceAnalysis:
+    length: Any  # sympy expression of the attention length, or None when there is no attention
+    roles: dict[fx.Node, NodeRole] = field(default_factory=dict)
+    graph: nx.DiGraph | None = None
+
+    def dims_of(self, node: Any, index: int | None = None) -> tuple[SequenceDim, ...]:
+        role = self.roles.get(node) if isinstance(node, fx.Node) else None
+        if role is None:
+            return ()
+        if index is not None and role.element_dims is not None:
+            return role.element_dims[index] if index < len(role.element_dims) else ()
+        return role.sequence_dims
+
+    def table(self) -> list[tuple[str, str, str, str]]:
+        rows = []
+        for node, role in self.roles.items():
+            if role.role == NONE:
+                continue
+            dims = ", ".join(str(d) for d in role.sequence_dims) or "-"
+            detail = role.rewrite and f"rewrite: {role.rewrite}" or role.reason
+            rows.append((node.name, str(node.target).replace("aten.", ""), role.role, f"{dims} {detail}".strip()))
+        return rows
+
+
+# --- symbolic size helpers ----------------------------------------------------------------
+
+def expression(size: Any) -> Any:
+    if isinstance(size, torch.SymInt):
+        return size.node.expr
+    return sympy.Integer(int(size))
+
+
+def shape_of(value: Any) -> list[Any] | None:
+    if isinstance(value, torch.Tensor):
+        return [expression(size) for size in value.shape]
+    return None
+
+
+def _product(sizes: Iterable[Any]) -> Any:
+    result = sympy.Integer(1)
+    for size in sizes:
+        result = result * size
+    return result
+
+
+def _divides(small: Any, large: Any) -> bool:
+    """True when ``large / small`` is a polynomial (no denominator left)."""
+    if small == 0:
+        return False
+    _, denominator = sympy.fraction(sympy.cancel(large / small))
+    return denominator == 1
+
+
+def _equal(a: Any, b: Any) -> bool:
+    return a == b or sympy.expand(a - b) == 0
+
+
+def _contains_length(size: Any, length: Any) -> tuple[Any, Any] | None:
+    """If ``size`` is ``k * length`` return (k, 1) else None."""
+    if _equal(size, length):
+        return sympy.Integer(1), sympy.Integer(1)
+    if length.free_symbols and _divides(length, size):
+        return sympy.cancel(size / length), sympy.Integer(1)
+    return None
+
+
+def map_through_view(in_shape: list[Any], out_shape: list[Any], seq: SequenceDim, length: Any) -> SequenceDim | str:
+    """Where a sequence dimension lands after a reshape, or why it cannot be followed."""
+    i = j = 0
+    while i < len(in_shape) and j < len(out_shape):
+        group_in, group_out = [i], [j]
+        product_in, product_out = in_shape[i], out_shape[j]
+        while not _equal(product_in, product_out):
+            if _divides(product_in, product_out) and i + 1 < len(in_shape) and not _equal(product_in, 0):
+                i += 1
+                group_in.append(i)
+                product_in = product_in * in_shape[i]
+            elif j + 1 < len(out_shape):
+                j += 1
+                group_out.append(j)
+                product_out = product_out * out_shape[j]
+            else:
+                return "a reshape whose dimensions cannot be matched symbolically"
+        # Trailing size-1 dims join the current group lazily; skip them on both sides.
+        if seq.dim in group_in:
+            before = _product(in_shape[d] for d in group_in if d < seq.dim)
+            after = _product(in_shape[d] for d in group_in if d > seq.dim)
+            outer, inner = before * seq.outer, seq.inner * after
+            # Find the output dimension of this group that holds the sequence factor.
+            prefix = sympy.Integer(1)
+            for index, out_dim in enumerate(group_out):
+                size = out_shape[out_dim]
+                if _divides(prefix, outer):
+                    remaining_outer = sympy.cancel(outer / prefix)
+                    if _divides(remaining_outer * length, size):
+                        local_inner = sympy.cancel(size / (remaining_outer * length))
+                        suffix = _product(out_shape[d] for d in group_out[index + 1 :])
+                        if _equal(local_inner * suffix, inner):
+                            return SequenceDim(out_dim, sympy.expand(remaining_outer), sympy.expand(local_inner))
+                prefix = prefix * size
+            return "a reshape that splits the sequence dimension (e.g. an unpatchify)"
+        i += 1
+        j += 1
+    return "a reshape whose dimensions cannot be matched symbolically"
+
+
+# --- op rules -------------------------------------------------------------------------------
+
+@dataclass
+class RuleResult:
+    role: str
+    dims: tuple[SequenceDim, ...] = ()
+    aligned: tuple[fx.Node, ...] = ()
+    reason: str = ""
+    rewrite: str | None = None
+    element_dims: tuple[tuple[SequenceDim, ...], ...] | None = None
+
+
+Rule = Callable[[fx.Node, "SequenceAnalysis"], RuleResult]
+RULES: dict[Any, Rule] = {}
+
+POINTWISE_EXTRA = {
+    aten.clone.default, aten.contiguous.default, aten._to_copy.default, aten.to.dtype,
+    aten.to.dtype_layout, aten.to.device, aten.to.other, aten.detach.default, aten.alias.default,
+    aten.lift_fresh_copy.default, aten.dropout.default, aten.where.self, aten.where.ScalarOther,
+    aten.where.ScalarSelf, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
+    aten.rand_like.default, aten.randn_like.default, aten.type_as.default, aten.copy.default,
+    aten.native_dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
+}
+VIEWS = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+    aten.unflatten.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.squeeze.default, aten.view_as.default, aten.reshape_as.default,
+}
+SCANS = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
+         aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default}
+REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+              aten.var.correction, aten.std.correction, aten.logsumexp.default, aten.any.dim,
+              aten.all.dim, aten.norm.ScalarOpt_dim, aten.var.dim, aten.std.dim, aten.any.dims,
+              aten.all.dims, aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default}
+FULL_REDUCTIONS = {aten.sum.default, aten.mean.default, aten.amax.default}
+LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default,
+          aten.nll_loss2d.default}
+
+
+def rule(*targets: Any) -> Callable[[Rule], Rule]:
+    def register(function: Rule) -> Rule:
+        for target in targets:
+            RULES[target] = function
+        return function
+
+    return register
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    return [n for n in node.all_input_nodes if isinstance(_val(n), torch.Tensor)]
+
+
+def _seq_inputs(node: fx.Node, analysis: SequenceAnalysis) -> list[fx.Node]:
+    return [n for n in node.all_input_nodes if analysis.dims_of(n)]
+
+
+def _single(dims: tuple[SequenceDim, ...]) -> SequenceDim | None:
+    return dims[0] if len(dims) == 1 else None
+
+
+def _mixing(reason: str, node: fx.Node, analysis: SequenceAnalysis, rewrite: str | None = None,
+            aligned: tuple[fx.Node, ...] = ()) -> RuleResult:
+    return RuleResult(MIXING, (), aligned, reason, rewrite)
+
+
+def _normalize(dim: int, rank: int) -> int:
+    return dim % rank if rank else 0
+
+
+@rule(SDPA)
+def _attention_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    query, key, value = node.args[:3]
+    rank = _val(query).dim()
+    seq = _single(analysis.dims_of(query))
+    if seq is None or seq.dim != rank - 2 or not seq.plain:
+        return _mixing("attention whose queries are not sequence-indexed on dim -2", node, analysis)
+    aligned = [query]
+    for other in (key, value):
+        other_seq = _single(analysis.dims_of(other))
+        if other_seq is not None and other_seq.dim == rank - 2 and other_seq.plain:
+            aligned.append(other)
+    return RuleResult(ATTENTION, (SequenceDim(rank - 2),), tuple(aligned))
+
+
+def _pointwise(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    out = _val(node)
+    out_value = out[0] if isinstance(out, (tuple, list)) else out
+    out_rank = out_value.dim()
+    mapped: dict[int, SequenceDim] = {}
+    aligned = []
+    for source in _seq_inputs(node, analysis):
+        source_rank = _val(source).dim()
+        for seq in analysis.dims_of(source):
+            out_dim = seq.dim + out_rank - source_rank
+            existing = mapped.get(out_dim)
+            if existing is not None and (existing.outer != seq.outer or existing.inner != seq.inner):
+                return _mixing("combines sequence dimensions of different layouts", node, analysis)
+            mapped[out_dim] = seq.moved(out_dim)
+        aligned.append(source)
+    if len(mapped) > 1:
+        return _mixing("combines two sequence positions (an outer product)", node, analysis)
+    dims = tuple(mapped.values())
+    elements = None
+    if isinstance(out, (tuple, list)):
+        elements = tuple(dims if isinstance(e, torch.Tensor) and e.dim() == out_rank else () for e in out)
+    return RuleResult(TOKEN_LOCAL, dims, tuple(aligned), element_dims=elements)
+
+
+def _view(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    source = node.args[0]
+    seq = _single(analysis.dims_of(source))
+    if seq is None:
+        return _mixing("a reshape of a value with several sequence dimensions", node, analysis)
+    mapped = map_through_view(shape_of(_val(source)), shape_of(_val(node)), seq, analysis.length)
+    if isinstance(mapped, str):
+        return _mixing(mapped, node, analysis)
+    return RuleResult(TOKEN_LOCAL, (mapped,), (source,))
+
+
+def _permutation(node: fx.Node) -> list[int]:
+    rank = _val(node.args[0]).dim()
+    if node.target is aten.permute.default:
+        return [_normalize(d, rank) for d in node.args[1]]
+    if node.target is aten.t.default:
+        return [1, 0] if rank == 2 else list(range(rank))
+    if node.target is aten.mT.default:
+        return list(range(rank - 2)) + [rank - 1, rank - 2]
+    a, b = (_normalize(d, rank) for d in node.args[1:3])
+    order = list(range(rank))
+    order[a], order[b] = order[b], order[a]
+    return order
+
+
+@rule(aten.permute.default, aten.transpose.int, aten.t.default, aten.mT.default)
+def _permute_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    source = node.args[0]
+    order = _permutation(node)
+    dims = tuple(seq.moved(order.index(seq.dim)) for seq in analysis.dims_of(source))
+    return RuleResult(TOKEN_LOCAL, dims, (source,))
+
+
+@rule(aten.expand.default)
+def _expand_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    source = node.args[0]
+    offset = _val(node).dim() - _val(source).dim()
+    dims = tuple(seq.moved(seq.dim + offset) for seq in analysis.dims_of(source))
+    return RuleResult(TOKEN_LOCAL, dims, (source,))
+
+
+def _index_dim_rule(node: fx.Node, analysis: SequenceAnalysis, dim_position: int, removes_dim: bool,
+                    identity_check: bool) -> RuleResult:
+    source = node.args[0]
+    rank = _val(source).dim()
+    dim = _normalize(node.args[dim_position] if len(node.args) > dim_position else 0, rank)
+    dims = []
+    for seq in analysis.dims_of(source):
+        if seq.dim == dim:
+            if identity_check and _equal(shape_of(_val(node))[dim], shape_of(_val(source))[dim]):
+                dims.append(seq)
+                continue
+            if node.target is aten.select.int and seq.plain and isinstance(node.args[2], int):
+                return _mixing("selects one position of the sequence", node, analysis,
+                               rewrite="select_position", aligned=(source,))
+            return _mixing(f"{_op_name(node)} along the sequence dimension", node, analysis)
+        dims.append(seq.moved(seq.dim - 1) if removes_dim and seq.dim > dim else seq)
+    return RuleResult(TOKEN_LOCAL, tuple(dims), (source,) if dims else ())
+
+
+@rule(aten.slice.Tensor, aten.narrow.default)
+def _slice_rule(node, analysis):
+    return _index_dim_rule(node, analysis, 1, False, True)
+
+
+@rule(aten.select.int)
+def _select_rule(node, analysis):
+    return _index_dim_rule(node, analysis, 1, True, False)
+
+
+@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
+      aten.tensor_split.sections, aten.split.sizes)
+def _split_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    source = node.args[0]
+    rank = _val(source).dim()
+    dim_position = 1 if node.target is aten.unbind.int else 2
+    dim = _normalize(node.args[dim_position] if len(node.args) > dim_position else node.kwargs.get("dim", 0), rank)
+    dims = []
+    for seq in analysis.dims_of(source):
+        if seq.dim == dim:
+            return _mixing("splits along the sequence dimension", node, analysis)
+        dims.append(seq.moved(seq.dim - 1) if node.target is aten.unbind.int and seq.dim > dim else seq)
+    dims_tuple = tuple(dims)
+    elements = tuple(dims_tuple for _ in _val(node))
+    return RuleResult(TOKEN_LOCAL, dims_tuple, (source,), element_dims=elements)
+
+
+@rule(operator.getitem)
+def _getitem_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    source, index = node.args
+    if not isinstance(source, fx.Node) or not isinstance(index, int):
+        return RuleResult(NONE)
+    dims = analysis.dims_of(source, index)
+    return RuleResult(TOKEN_LOCAL if dims else NONE, dims, (source,) if dims else ())
+
+
+@rule(aten.cat.default, aten.stack.default)
+def _cat_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    tensors = [t for t in node.args[0] if isinstance(t, fx.Node)]
+    out_rank = _val(node).dim()
+    raw_dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    dim = _normalize(raw_dim, out_rank)
+    seq_inputs = [t for t in tensors if analysis.dims_of(t)]
+    if not seq_inputs:
+        return _sized_source(node, analysis)
+    mapped = set()
+    for tensor in seq_inputs:
+        for seq in analysis.dims_of(tensor):
+            out_dim = seq.dim + (1 if node.target is aten.stack.default and seq.dim >= dim else 0)
+            if node.target is aten.cat.default and seq.dim == dim:
+                return _mixing("concatenates along the sequence dimension", node, analysis)
+            mapped.add(seq.moved(out_dim))
+    if len(mapped) != 1 or len(seq_inputs) != len(tensors):
+        return _mixing("concatenates values that are not all sequence-indexed alike", node, analysis)
+    return RuleResult(TOKEN_LOCAL, tuple(mapped), tuple(tensors))
+
+
+@rule(aten.embedding.default)
+def _embedding_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    indices = node.args[1]
+    return RuleResult(TOKEN_LOCAL, analysis.dims_of(indices), (indices,) if analysis.dims_of(indices) else ())
+
+
+def _leading_dims_rule(node: fx.Node, analysis: SequenceAnalysis, first: fx.Node, trailing: int,
+                       others: Iterable[Any] = ()) -> RuleResult:
+    """The op works on the last ``trailing`` dims of ``first``; the sequence must be before them."""
+    for other in others:
+        if isinstance(other, fx.Node) and analysis.dims_of(other):
+            return _mixing(f"{_op_name(node)} contracts a sequence-indexed operand", node, analysis)
+    rank = _val(first).dim()
+    out = _val(node)
+    out_rank = (out[0] if isinstance(out, (tuple, list)) else out).dim()
+    dims = []
+    for seq in analysis.dims_of(first):
+        if seq.dim >= rank - trailing:
+            return _mixing(f"{_op_name(node)} over the sequence dimension", node, analysis)
+        dims.append(seq.moved(seq.dim + out_rank - rank))
+    elements = None
+    if isinstance(out, (tuple, list)):
+        elements = tuple(tuple(dims) if isinstance(e, torch.Tensor) and e.dim() == out_rank else () for e in out)
+    return RuleResult(TOKEN_LOCAL, tuple(dims), (first,), element_dims=elements)
+
+
+@rule(aten.linear.default)
+def _linear_rule(node, analysis):
+    return _leading_dims_rule(node, analysis, node.args[0], 1, node.args[1:])
+
+
+@rule(aten.matmul.default, aten.mm.default, aten.bmm.default)
+def _matmul_rule(node, analysis):
+    first, second = node.args[:2]
+    if _val(first).dim() == 1:
+        return _mixing("a vector-matrix product over the sequence", node, analysis)
+    return _leading_dims_rule(node, analysis, first, 1, (second,))
+
+
+@rule(aten.addmm.default)
+def _addmm_rule(node, analysis):
+    bias, first, second = node.args[:3]
+    return _leading_dims_rule(node, analysis, first, 1, (second, bias))
+
+
+@rule(aten.layer_norm.default, aten.rms_norm.default, aten.native_layer_norm.default)
+def _norm_rule(node, analysis):
+    normalized = node.args[1]
+    return _leading_dims_rule(node, analysis, node.args[0], len(normalized), node.args[2:])
+
+
+@rule(*SCANS)
+def _scan_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    source = node.args[0]
+    dim = _normalize(node.args[1], _val(source).dim())
+    if any(seq.dim == dim for seq in analysis.dims_of(source)):
+        return _mixing(f"{_op_name(node)} along the sequence dimension", node, analysis)
+    return RuleResult(TOKEN_LOCAL, analysis.dims_of(source), (source,))
+
+
+@rule(*REDUCTIONS)
+def _reduction_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    source = node.args[0]
+    rank = _val(source).dim()
+    raw = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if raw is None or (isinstance(raw, (list, tuple)) and len(raw) == 0):
+        reduced = set(range(rank))
+    elif isinstance(raw, int):
+        reduced = {_normalize(raw, rank)}
+    else:
+        reduced = {_normalize(d, rank) for d in raw}
+    keepdim = bool(node.args[2]) if len(node.args) > 2 and isinstance(node.args[2], bool) else bool(node.kwargs.get("keepdim", False))
+    dims = []
+    for seq in analysis.dims_of(source):
+        if seq.dim in reduced:
+            rewrite = "sum_over_sequence" if node.target in (aten.sum.dim_IntList, aten.mean.dim) and seq.plain else None
+            return _mixing(f"{_op_name(node)} over the sequence dimension", node, analysis, rewrite=rewrite,
+                           aligned=(source,) if rewrite else ())
+        shift = 0 if keepdim else sum(1 for d in reduced if d < seq.dim)
+        dims.append(seq.moved(seq.dim - shift))
+    out = _val(node)
+    elements = None
+    if isinstance(out, (tuple, list)):
+        elements = tuple(tuple(dims) for _ in out)
+    return RuleResult(TOKEN_LOCAL, tuple(dims), (source,), element_dims=elements)
+
+
+@rule(*FULL_REDUCTIONS)
+def _full_reduction_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    if node.target is aten.amax.default:
+        return _reduction_rule(node, analysis)
+    source = node.args[0]
+    seq = _single(analysis.dims_of(source))
+    rewrite = "sum_over_sequence" if seq is not None and seq.plain else None
+    return _mixing(f"{_op_name(node)} over every dimension", node, analysis, rewrite=rewrite,
+                   aligned=(source,) if rewrite else ())
+
+
+@rule(*LOSSES)
+def _loss_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    logits, target = node.args[:2]
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    logits_seq, target_seq = _single(analysis.dims_of(logits)), _single(analysis.dims_of(target))
+    if logits_seq is None or target_seq is None:
+        return _mixing("a loss whose inputs are not both sequence-indexed", node, analysis)
+    logits_rank = _val(logits).dim()
+    expected_target_dim = logits_seq.dim if logits_seq.dim == 0 else logits_seq.dim - 1
+    if logits_seq.dim == 1 and logits_rank > 1 or target_seq.dim != expected_target_dim:
+        return _mixing("a loss over the class dimension of the sequence", node, analysis)
+    if reduction == 0:
+        return RuleResult(TOKEN_LOCAL, (target_seq,), (logits, target))
+    return _mixing("a loss reduced over the sequence", node, analysis, rewrite="loss_over_sequence",
+                   aligned=(logits, target))
+
+
+@rule(aten.sym_size.int)
+def _sym_size_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    return RuleResult(NONE)
+
+
+def _op_name(node: fx.Node) -> str:
+    return str(node.target).replace("aten.", "").replace(".default", "")
+
+
+def _sized_source(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    value = _val(node)
+    if not isinstance(value, torch.Tensor) or analysis.length is None:
+        return RuleResult(NONE)
+    dims = tuple(SequenceDim(d) for d, size in enumerate(shape_of(value)) if _equal(size, analysis.length))
+    if not dims:
+        return RuleResult(NONE)
+    if len(dims) > 1:
+        return RuleResult(MIXING, (), (), "creates a value with several sequence dimensions")
+    return RuleResult(SOURCE, dims, (), "creates the sequence dimension")
+
+
+def _classify(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    if node.op in ("placeholder", "get_attr"):
+        return _sized_source(node, analysis)
+    if node.op == "output":
+        return RuleResult(NONE)
+    has_seq_input = bool(_seq_inputs(node, analysis))
+    target = node.target
+    if target in RULES:
+        result = RULES[target](node, analysis)
+    elif target in VIEWS:
+        result = _view(node, analysis) if has_seq_input else RuleResult(NONE)
+    elif isinstance(target, torch._ops.OpOverload) and (
+        torch.Tag.pointwise in target.tags or target in POINTWISE_EXTRA
+    ):
+        result = _pointwise(node, analysis) if has_seq_input else RuleResult(NONE)
+    elif has_seq_input:
+        result = _mixing(f"no sharding rule for {_op_name(node)}", node, analysis)
+    else:
+        result = RuleResult(NONE)
+    if result.role == NONE or (result.role == TOKEN_LOCAL and not result.dims):
+        if not has_seq_input or result.role == NONE:
+            created = _sized_source(node, analysis)
+            if created.role != NONE:
+                return created
+        if result.role == TOKEN_LOCAL and not result.dims:
+            return RuleResult(NONE)
+    elif result.role == TOKEN_LOCAL:
+        # An op that keeps one sequence dimension but creates another (an expand of a mask) mixes.
+        created = _sized_source(node, analysis)
+        extra = {d.dim for d in created.dims} - {d.dim for d in result.dims}
+        if extra:
+            return RuleResult(MIXING, (), (), "creates a second sequence dimension")
+    return result
+
+
+def sequence_length_of(sites: list[AttentionSite]) -> Any:
+    """The attention length expression shared by the self-attention sites (most common wins)."""
+    counts: dict[Any, int] = {}
+    for site in sites:
+        query, key = _val(site.query), _val(site.key)
+        length = expression(query.shape[-2])
+        if _equal(length, expression(key.shape[-2])):
+            counts[length] = counts.get(length, 0) + 1
+    if not counts:
+        for site in sites:
+            length = expression(_val(site.query).shape[-2])
+            counts[length] = counts.get(length, 0) + 1
+    if not counts:
+        return None
+    return max(counts, key=lambda length: counts[length])
+
+
+def fx_to_networkx(graph: fx.Graph) -> nx.DiGraph:
+    digraph = nx.DiGraph()
+    for node in graph.nodes:
+        digraph.add_node(node)
+        for source in node.all_input_nodes:
+            digraph.add_edge(source, node)
+    return digraph
+
+
+def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite]) -> SequenceAnalysis:
+    length = sequence_length_of(sites)
+    analysis = SequenceAnalysis(length=length, graph=fx_to_networkx(gm.graph))
+    if length is None:
+        return analysis
+    for node in nx.topological_sort(analysis.graph):
+        result = _classify(node, analysis)
+        analysis.roles[node] = NodeRole(
+            result.role, result.dims, result.element_dims, result.aligned, result.reason, result.rewrite
+        )
+    return analysis
+
+
+def sequence_dims_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Analysis only: classify every node; the graph is returned unchanged."""
+    analysis = analyze_sequence_dims(gm, ctx.analysis.get("attention_sites", []))
+    ctx.analysis["sequence"] = analysis
+    if analysis.length is not None:
+        if not analysis.length.free_symbols:
+            log.warning(
+                "dcp: the attention length is the constant %s in this graph (compiled without "
+                "dynamic=True?); sizes equal to it are taken for the sequence dimension",
+                analysis.length,
+            )
+        counts: dict[str, int] = {}
+        for role in analysis.roles.values():
+            counts[role.role] = counts.get(role.role, 0) + 1
+        log.info("dcp: sequence length %s; roles %s", analysis.length, counts)
+    return gm

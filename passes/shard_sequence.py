@@ -1,0 +1,406 @@
+"""Run every token-local op on the rank's chunk of the sequence.
+
+Layouts are decided per *sharding region*: the connected components of the graph formed by
+"this op's output chunk lines up with that input's chunk" edges (token-local ops, attention's
+queries and self-attention keys/values, and the inputs of the known rewrites). A region that
+contains an attention is sharded; every other value stays full. Inside a sharded region:
+
+* values that are created full (graph inputs, ``arange`` positions, a patchify's flatten, the
+  output of a sequence-mixing op) are sliced to the rank's chunk where a sharded op first reads
+  them: slicing is a view, so "as early as possible" costs nothing;
+* token-local ops run on chunks (views get ``-1`` for the sequence size, so one graph serves
+  every length);
+* attention becomes ``dcp::sharded_attention``, for ``insert_all_to_all`` to lower;
+* sums/means over the sequence, a loss over the sequence, and picking one position (a CLS token)
+  are rewritten into a local reduction plus one all-reduce;
+* anything else that reads a chunked value across positions gets an all-gather first, recorded
+  with its reason.
+
+Graph outputs are full on every rank: a chunked output is gathered, a full one carries a
+gradient scale of 1/P (see ``dcp_compile.collectives``).
+
+The rewrite happens by re-tracing the graph through an interpreter, so every new node gets its
+symbolic shape from the ops themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from dcp_compile import collectives
+from dcp_compile.graph_capture import retrace
+from dcp_compile.passes import sharded_attention_op  # noqa: F401  (registers dcp::sharded_attention)
+from dcp_compile.passes.context import PassContext
+from dcp_compile.passes.find_attention import SDPA, sdpa_argument
+from dcp_compile.passes.sequence_dims import (
+    ATTENTION, MIXING, SOURCE, TOKEN_LOCAL, VIEWS, SequenceAnalysis, SequenceDim,
+)
+from dcp_compile.sequence_chunks import chunk_length, chunk_start
+
+aten = torch.ops.aten
+log = logging.getLogger(__name__)
+
+
+class CannotShard(Exception):
+    """The graph uses a pattern the sharding pass does not handle; it will run unsharded."""
+
+
+@dataclass
+class GatherRecord:
+    node: str
+    op: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"all-gather of {self.node} before {self.op}: {self.reason}"
+
+
+@dataclass
+class ShardPlan:
+    """Which nodes run on chunks, decided from the sequence analysis."""
+
+    sharded_nodes: set[fx.Node] = field(default_factory=set)
+    regions: int = 0
+
+
+def plan_sharding(analysis: SequenceAnalysis) -> ShardPlan:
+    """Connected components of the alignment graph; those holding an attention are sharded."""
+    plan = ShardPlan()
+    if analysis.length is None:
+        return plan
+    alignment = nx.Graph()
+    for node, role in analysis.roles.items():
+        if role.role in (TOKEN_LOCAL, ATTENTION) or (role.role == MIXING and role.rewrite):
+            alignment.add_node(node)
+            for source in role.aligned_inputs:
+                alignment.add_edge(source, node)
+    for component in nx.connected_components(alignment):
+        if any(analysis.roles[n].role == ATTENTION for n in component):
+            plan.regions += 1
+            plan.sharded_nodes.update(
+                n for n in component
+                if analysis.roles[n].role in (TOKEN_LOCAL, ATTENTION)
+                or (analysis.roles[n].role == MIXING and analysis.roles[n].rewrite)
+            )
+    return plan
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+class ShardingInterpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext, analysis: SequenceAnalysis, plan: ShardPlan):
+        super().__init__(gm)
+        self.ctx, self.analysis, self.plan = ctx, analysis, plan
+        self.sp_size, self.rank, self.group = ctx.sp_size, ctx.rank, ctx.group_name
+        self.full: dict[fx.Node, Any] = {}
+        self.chunk: dict[fx.Node, Any] = {}
+        self.length: Any = None  # SymInt of the full sequence length, once seen
+        self.gathers: list[GatherRecord] = []
+        self.rewrites: list[str] = []
+
+    # --- layout conversions --------------------------------------------------------------
+
+    def _learn_length(self, value: torch.Tensor, seq: SequenceDim) -> None:
+        if self.length is None and seq.plain:
+            self.length = value.shape[seq.dim]
+
+    def _seq_of(self, node: fx.Node, index: int | None = None) -> SequenceDim:
+        dims = self.analysis.dims_of(node, index)
+        if len(dims) != 1:
+            raise CannotShard(f"{node.name} has {len(dims)} sequence dimensions")
+        return dims[0]
+
+    def _narrow(self, value: torch.Tensor, seq: SequenceDim) -> torch.Tensor:
+        self._learn_length(value, seq)
+        if self.length is None:
+            raise CannotShard("the sequence length is only available in flattened form")
+        if seq.plain:
+            return collectives.narrow_to_chunk(value, seq.dim, self.length, self.sp_size, self.rank)
+        outer, inner = self._static_factors(seq)
+        shape = value.shape
+        split = value.reshape(*shape[: seq.dim], outer, self.length, inner, *shape[seq.dim + 1 :])
+        local = collectives.narrow_to_chunk(split, seq.dim + 1, self.length, self.sp_size, self.rank)
+        return local.flatten(seq.dim, seq.dim + 2)
+
+    def _static_factors(self, seq: SequenceDim) -> tuple[int, int]:
+        if seq.outer.free_symbols or seq.inner.free_symbols:
+            raise CannotShard(f"a flattened sequence dimension with symbolic factors ({seq})")
+        return int(seq.outer), int(seq.inner)
+
+    def _gather(self, value: torch.Tensor, seq: SequenceDim) -> torch.Tensor:
+        if self.length is None:
+            raise CannotShard("a chunk must be gathered before the full length is known")
+        if seq.plain:
+            return collectives.gather_sequence(value, seq.dim, self.length, self.sp_size, self.group)
+        outer, inner = self._static_factors(seq)
+        shape = value.shape
+        split = value.reshape(*shape[: seq.dim], outer, -1, inner, *shape[seq.dim + 1 :])
+        full = collectives.gather_sequence(split, seq.dim + 1, self.length, self.sp_size, self.group)
+        return full.flatten(seq.dim, seq.dim + 2)
+
+    def as_chunk(self, node: Any) -> Any:
+        if not isinstance(node, fx.Node):
+            return node
+        if node in self.chunk:
+            return self.chunk[node]
+        value = self.full[node]
+        if isinstance(value, (tuple, list)):
+            chunked = type(value)(
+                self._narrow(v, self._seq_of(node, i)) if _is_tensor(v) and self.analysis.dims_of(node, i) else v
+                for i, v in enumerate(value)
+            )
+        else:
+            chunked = self._narrow(value, self._seq_of(node))
+        self.chunk[node] = chunked
+        return chunked
+
+    def as_full(self, node: Any, reason: str = "", consumer: fx.Node | None = None) -> Any:
+        if not isinstance(node, fx.Node):
+            return node
+        if node in self.full:
+            return self.full[node]
+        value = self.chunk[node]
+        if isinstance(value, (tuple, list)):
+            gathered = type(value)(
+                self._gather(v, self._seq_of(node, i)) if _is_tensor(v) and self.analysis.dims_of(node, i) else v
+                for i, v in enumerate(value)
+            )
+        else:
+            gathered = self._gather(value, self._seq_of(node))
+        self.full[node] = gathered
+        if consumer is not None:
+            record = GatherRecord(node.name, consumer.name, reason or self.analysis.roles[consumer].reason)
+            self.gathers.append(record)
+            log.info("dcp: %s", record)
+        return gathered
+
+    # --- nodes ---------------------------------------------------------------------------
+
+    def run_node(self, n: fx.Node) -> Any:
+        with self._set_current_node(n):
+            if n.op in ("placeholder", "get_attr"):
+                value = super().run_node(n)
+                self.full[n] = value
+                role = self.analysis.roles.get(n)
+                if role is not None and role.role == SOURCE and _is_tensor(value):
+                    self._learn_length(value, role.sequence_dims[0])
+                return value
+            if n.op == "output":
+                return self._output(n)
+            if n in self.plan.sharded_nodes:
+                value = self._run_sharded(n)
+                if self.analysis.roles[n].rewrite:
+                    self.full[n] = value  # a rewrite reduces over the sequence: its result is full
+                else:
+                    self.chunk[n] = value
+                return value
+            value = self._run_full(n)
+            self.full[n] = value
+            role = self.analysis.roles.get(n)
+            if role is not None and role.role == SOURCE and _is_tensor(value):
+                self._learn_length(value, role.sequence_dims[0])
+            return value
+
+    def _run_full(self, n: fx.Node) -> Any:
+        if n.op == "call_function" and n.target is aten.sym_size.int:
+            return self._sym_size(n)
+        args = fx.map_arg(n.args, lambda a: self.as_full(a, consumer=n))
+        kwargs = fx.map_arg(n.kwargs, lambda a: self.as_full(a, consumer=n))
+        return getattr(self, n.op)(n.target, args, kwargs)
+
+    def _sym_size(self, n: fx.Node) -> Any:
+        source, dim = n.args
+        if source in self.full:
+            return self.full[source].size(dim)
+        seq = self._seq_of(source)
+        if dim % self.chunk[source].dim() != seq.dim:
+            return self.chunk[source].size(dim)
+        outer, inner = self._static_factors(seq)
+        return self.length * outer * inner
+
+    def _run_sharded(self, n: fx.Node) -> Any:
+        role = self.analysis.roles[n]
+        aligned = set(role.aligned_inputs)
+        if role.role == ATTENTION:
+            return self._attention(n, aligned)
+        if role.rewrite:
+            return getattr(self, f"_rewrite_{role.rewrite}")(n)
+        args = fx.map_arg(n.args, lambda a: self.as_chunk(a) if a in aligned else self.as_full(a, consumer=n))
+        kwargs = fx.map_arg(n.kwargs, lambda a: self.as_chunk(a) if a in aligned else self.as_full(a, consumer=n))
+        target = n.target
+        if target in VIEWS or target is aten.expand.default:
+            args = self._local_sizes(n, args)
+            if target in (aten.view.default, aten._unsafe_view.default):
+                target = aten.reshape.default  # a chunk may not be viewable where the full value was
+        elif target in (aten.slice.Tensor, aten.narrow.default):
+            source_seq = self._seq_of(n.args[0])
+            dim = args[1] % args[0].dim()
+            if dim == source_seq.dim:  # a slice that keeps the whole sequence
+                return args[0]
+        return getattr(self, n.op)(target, args, kwargs)
+
+    def _local_sizes(self, n: fx.Node, args: tuple) -> tuple:
+        """Replace the sequence entry of a size list by -1; a view then fits any chunk."""
+        target = n.target
+        if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
+            sizes, offset = list(args[1]), 0
+        elif target is aten.unflatten.int:
+            sizes, offset = list(args[2]), args[1] % (args[0].dim())
+        else:
+            if target in (aten.view_as.default, aten.reshape_as.default):
+                raise CannotShard(f"{target} with a sequence-indexed operand")
+            return args
+        out_dim = self._seq_of(n).dim - offset
+        if not 0 <= out_dim < len(sizes):
+            return args
+        static = n.meta["val"].shape
+        for index, size in enumerate(sizes):
+            if index != out_dim and isinstance(size, int) and size == -1 and target is not aten.expand.default:
+                actual = static[index + offset]
+                if isinstance(actual, torch.SymInt):
+                    raise CannotShard(f"{n.name}: a view with two inferred (-1) sizes")
+                sizes[index] = int(actual)
+        sizes[out_dim] = -1
+        if target is aten.unflatten.int:
+            return (args[0], args[1], sizes, *args[3:])
+        return (args[0], sizes, *args[2:])
+
+    def _attention(self, n: fx.Node, aligned: set[fx.Node]) -> Any:
+        query, key, value = n.args[:3]
+        mask = sdpa_argument(n, "attn_mask")
+        if self.length is None:
+            raise CannotShard("attention before the sequence length is known")
+        return torch.ops.dcp.sharded_attention(
+            self.as_chunk(query),
+            self.as_chunk(key) if key in aligned else self.as_full(key, consumer=n),
+            self.as_chunk(value) if value in aligned else self.as_full(value, consumer=n),
+            self.as_full(mask, "the mask of an attention is read in full", consumer=n) if mask is not None else None,
+            float(sdpa_argument(n, "dropout_p")),
+            bool(sdpa_argument(n, "is_causal")),
+            sdpa_argument(n, "scale"),
+            bool(sdpa_argument(n, "enable_gqa")),
+            self.length,
+            key in aligned,
+            value in aligned,
+        )
+
+    # --- rewrites: the sequence-mixing ops with a cheap exact form -------------------------
+
+    def _rewrite_sum_over_sequence(self, n: fx.Node) -> Any:
+        source = n.args[0]
+        local = self.as_chunk(source)
+        seq = self._seq_of(source)
+        rank = local.dim()
+        if n.target in (aten.sum.default, aten.mean.default):
+            dims, keepdim = list(range(rank)), False
+        else:
+            raw = n.args[1]
+            dims = [d % rank for d in ([raw] if isinstance(raw, int) else raw)] or list(range(rank))
+            keepdim = bool(n.args[2]) if len(n.args) > 2 else bool(n.kwargs.get("keepdim", False))
+        dtype = n.kwargs.get("dtype")
+        partial = local.sum(dims, keepdim=keepdim, dtype=dtype)
+        total = collectives.all_reduce_sum(partial, self.group)
+        self.rewrites.append(f"{n.name}: local sum + all-reduce")
+        if n.target in (aten.mean.default, aten.mean.dim):
+            count = self.length
+            for d in dims:
+                if d != seq.dim:
+                    count = count * local.shape[d]
+            total = total / count
+        return total
+
+    def _rewrite_loss_over_sequence(self, n: fx.Node) -> Any:
+        logits, target = self.as_chunk(n.args[0]), self.as_chunk(n.args[1])
+        op = n.target
+        names = ["weight", "reduction", "ignore_index", "label_smoothing"]
+        extra = {name: value for name, value in zip(names, n.args[2:])}
+        extra.update({k: v for k, v in n.kwargs.items()})
+        weight = self.as_full(extra.get("weight"), consumer=n) if isinstance(extra.get("weight"), fx.Node) else extra.get("weight")
+        reduction = extra.get("reduction", 1)
+        ignore_index = extra.get("ignore_index", -100)
+        args = [logits, target, weight, 2, ignore_index]
+        if op is aten.cross_entropy_loss.default:
+            args.append(extra.get("label_smoothing", 0.0))
+        local_sum = op(*args)
+        if isinstance(local_sum, (tuple, list)):
+            local_sum = local_sum[0]
+        valid = target != ignore_index
+        if weight is None:
+            count = valid.sum().to(local_sum.dtype)
+        else:
+            count = torch.where(valid, weight[target.clamp(min=0)], 0).sum().to(local_sum.dtype)
+        totals = collectives.all_reduce_sum(torch.stack([local_sum, count]), self.group)
+        self.rewrites.append(f"{n.name}: shard-local {op.__name__ if hasattr(op, '__name__') else op} + all-reduce")
+        return totals[0] / totals[1] if reduction == 1 else totals[0]
+
+    def _rewrite_select_position(self, n: fx.Node) -> Any:
+        source, dim, index = n.args
+        local = self.as_chunk(source)
+        dim = dim % local.dim()
+        position = index if index >= 0 else self.length + index
+        start = chunk_start(self.length, self.sp_size, self.rank)
+        positions = torch.arange(local.shape[dim], device=local.device) + start
+        weight = (positions == position).to(local.dtype)
+        shape = [1] * local.dim()
+        shape[dim] = -1
+        picked = (local * weight.view(shape)).sum(dim)
+        self.rewrites.append(f"{n.name}: the owning rank's position + all-reduce")
+        return collectives.all_reduce_sum(picked, self.group)
+
+    # --- outputs ---------------------------------------------------------------------------
+
+    def _output(self, n: fx.Node) -> Any:
+        scale = 1.0 / self.sp_size
+
+        def finish(node: Any) -> Any:
+            if not isinstance(node, fx.Node):
+                return node
+            if node in self.full:
+                value = self.full[node]
+                if _is_tensor(value) and value.requires_grad and self.sp_size > 1:
+                    return collectives.scale_gradient(value, scale)
+                return value
+            local = self.chunk[node]
+            if isinstance(local, (tuple, list)):
+                raise CannotShard("a tuple-valued graph output that is sharded")
+            full = self.as_full(node)
+            seq = self._seq_of(node)
+            if not local.requires_grad:
+                return full
+            if not seq.plain:
+                return collectives.scale_gradient(full, scale)
+            start = chunk_start(self.length, self.sp_size, self.rank)
+            return collectives.replicated_output(full, local, seq.dim, start)
+
+        return fx.map_arg(n.args[0], finish)
+
+
+def shard_sequence_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    analysis: SequenceAnalysis = ctx.analysis["sequence"]
+    plan = plan_sharding(analysis) if ctx.sp_size > 1 else ShardPlan()
+    fallback_reason = None
+    try:
+        interpreter = ShardingInterpreter(gm, ctx, analysis, plan)
+        sharded = retrace(interpreter.run, ctx.fake_inputs, ctx.fake_mode)
+    except CannotShard as reason:
+        log.warning("dcp: cannot shard this graph (%s); it runs unsharded on every rank of the "
+                    "SP group (correct, but without sequence parallelism)", reason)
+        fallback_reason = str(reason)
+        plan = ShardPlan()
+        interpreter = ShardingInterpreter(gm, ctx, analysis, plan)
+        sharded = retrace(interpreter.run, ctx.fake_inputs, ctx.fake_mode)
+    if ctx.variant_record is not None:
+        ctx.variant_record.gathers.extend(interpreter.gathers)
+        ctx.variant_record.rewrites.extend(interpreter.rewrites)
+        ctx.variant_record.sharded_regions = plan.regions
+        ctx.variant_record.fallback_reason = fallback_reason
+    return sharded
