@@ -35,6 +35,7 @@ ranks plan in well under 50 ms (see ``benchmarks/planner.py``).
 
 from __future__ import annotations
 
+import gc
 import heapq
 import logging
 from bisect import bisect_left
@@ -47,6 +48,7 @@ from .plan import Schedule, ScheduledMicroBatch
 log = logging.getLogger(__name__)
 
 _EPSILON = 1e-12
+_PACKING_SCAN = 4  # micro-batches of a block tried when adding a sequence
 
 
 class PlanningError(ValueError):
@@ -66,7 +68,7 @@ class PlannerConfig:
     memory_fraction: float = 0.9
     max_tokens_per_rank: int | None = None
     max_sp_size: int | None = None
-    local_search_evaluations: int = 60_000
+    local_search_evaluations: int = 8_000
     exact_search_nodes: int = 40_000
     exact_search_max_sequences: int = 8
     exact_search_max_ranks: int = 8
@@ -143,14 +145,20 @@ class Planner:
         self.max_capacity = [max(row) for row in self.capacity]
         # Is "SP 1, no recompute" the least work for every sequence that fits it? (True for any
         # sane model; checked so that the fast path stays correct for odd cost models.)
+        # Is "SP 1, no recompute" the least work for every sequence that fits it? It is when every
+        # other (size, policy) costs at least as much per token and per token-key, counting the
+        # base choice's amortised fixed cost (true for any sane model; checked so that the fast
+        # path stays correct for odd cost models).
         base_capacity = self.capacity[0][0]
         self._fast_path = base_capacity > 0 and all(
-            size * self.per_token[j][p] >= self.per_token[0][0] - _EPSILON
+            size * self.per_token[j][p] >= self.per_token[0][0] + self.fixed[0][0] / base_capacity - _EPSILON
             and size * self.per_key[j][p] >= self.per_key[0][0] - _EPSILON
-            and (self.capacity[j][p] == 0 or size * self.fixed[j][p] / self.capacity[j][p] >= self.fixed[0][0] / base_capacity - _EPSILON)
             for j, size in enumerate(sizes)
             for p in range(policies)
+            if (j, p) != (0, 0)
         )
+        if not self._fast_path:
+            log.info("planner fast path disabled: SP 1 without recompute is not the cheapest per token")
 
     # ------------------------------------------------------------------ helpers on tables
     def _policy_for(self, level: int, tokens: int) -> int:
@@ -178,18 +186,29 @@ class Planner:
             if len(spans) != n:
                 raise ValueError(f"got {len(spans)} spans for {n} lengths; give one span per sequence")
             keys = [float(x) * s for x, s in zip(lengths, spans)]
-        state = _PlanState(self, lengths, keys)
-        state.choose_levels()
-        state.place()
-        state.local_search(self.config.local_search_evaluations)
-        state.merge_micro_batches()
-        if (
-            self.config.exact_search_nodes
-            and n <= self.config.exact_search_max_sequences
-            and self.world_size <= self.config.exact_search_max_ranks
-        ):
-            state.exact_search(self.config.exact_search_nodes)
-        return state.to_schedule()
+        # The planner allocates many small objects and frees none: the cyclic collector would
+        # only add pauses of up to a few hundred ms over a large heap.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            state = _PlanState(self, lengths, keys)
+            state.choose_levels()
+            state.place()
+            # Large steps are already within a fraction of a percent after placement (many small
+            # items balance well); the search budget goes to small steps, where it matters.
+            budget = min(self.config.local_search_evaluations, max(1_000, 2_000_000 // n))
+            state.local_search(budget)
+            state.merge_micro_batches()
+            if (
+                self.config.exact_search_nodes
+                and n <= self.config.exact_search_max_sequences
+                and self.world_size <= self.config.exact_search_max_ranks
+            ):
+                state.exact_search(self.config.exact_search_nodes)
+            return state.to_schedule()
+        finally:
+            if collecting:
+                gc.enable()
 
     def lower_bound(self, lengths: Sequence[int], spans: Sequence[float] | None = None) -> float:
         """A makespan no schedule can beat: the larger of the average least work per rank and the
@@ -239,101 +258,153 @@ class _PlanState:
         self.loads = [0.0] * self.world
         self.block_mbs: list[list[_MicroBatch]] = [[] for _ in range(planner.num_blocks)]
         self.seq_mb: list[_MicroBatch | None] = [None] * self.n
-        # Per sequence: feasible levels and, per level, (policy alone, time alone).
-        self.options: list[list[tuple[int, int, float]]] = []
+        self._options_cache: dict[tuple[int, float], list[tuple[int, int, float]]] = {}
+        self.alone_time: list[float] = []
+        self._neighbour_cache: dict[tuple[int, float, int], list[int]] = {}
 
     # ------------------------------------------------------------------ (a) SP sizes
+    def options(self, i: int) -> list[tuple[int, int, float]]:
+        """(level, fastest policy, time alone) for every level sequence ``i`` fits on."""
+        signature = (self.lengths[i], self.keys[i])
+        cached = self._options_cache.get(signature)
+        if cached is None:
+            planner = self.planner
+            length, key = signature
+            cached = []
+            for j in range(planner.levels):
+                p = planner._policy_for(j, length)
+                if p >= 0:
+                    cached.append((j, p, planner._time(j, p, length, key)))
+            self._options_cache[signature] = cached
+        return cached
+
+    def _least_work_choice(self, length: int, key: float) -> tuple[int, float, float]:
+        """(level, amortised rank-seconds, time alone) of the least-work level for one sequence.
+
+        At a fixed policy, work grows with the SP size (more communication), so only the smallest
+        level at which each policy fits (and is the fastest fitting one) is a candidate.
+        """
+        planner = self.planner
+        capacity = planner.capacity
+        best = None
+        for p in range(len(RECOMPUTE_POLICIES)):
+            for j in range(planner.levels):
+                if length <= capacity[j][p]:
+                    break
+            else:
+                continue
+            if planner._policy_for(j, length) != p:
+                continue
+            variable = planner.per_token[j][p] * length + planner.per_key[j][p] * key
+            work = planner.sizes[j] * (variable + planner.fixed[j][p] * length / capacity[j][p])
+            if best is None or work < best[1]:
+                best = (j, work, planner.fixed[j][p] + variable)
+        if best is None:
+            raise PlanningError(planner._no_fit_message(length))
+        return best
+
     def choose_levels(self) -> None:
         planner = self.planner
-        sizes = planner.sizes
-        fixed, per_token, per_key, capacity = planner.fixed, planner.per_token, planner.per_key, planner.capacity
-        base_capacity = capacity[0][0]
+        fixed0, per_token0, per_key0 = planner.fixed[0][0], planner.per_token[0][0], planner.per_key[0][0]
+        base_capacity = planner.capacity[0][0]
         fast = planner._fast_path
-        self.options = options = [None] * self.n  # type: ignore[list-item]
+        amortised0 = fixed0 / base_capacity if base_capacity else 0.0
         work = [0.0] * self.n
         times = [0.0] * self.n
-        base_fixed_per_token = fixed[0][0] / base_capacity if base_capacity else 0.0
+        level = self.level
+        cache: dict[tuple[int, float], tuple[int, float, float]] = {}
+        lengths, keys = self.lengths, self.keys
         for i in range(self.n):
-            length = self.lengths[i]
-            key = self.keys[i]
+            length = lengths[i]
+            key = keys[i]
             if fast and length <= base_capacity:
-                variable = per_token[0][0] * length + per_key[0][0] * key
-                options[i] = [(0, 0, fixed[0][0] + variable)]
-                work[i] = variable + base_fixed_per_token * length
-                times[i] = fixed[0][0] + variable
+                variable = per_token0 * length + per_key0 * key
+                work[i] = variable + amortised0 * length
+                times[i] = fixed0 + variable
                 continue
-            choices = []
-            best_work = float("inf")
-            best_level = -1
-            for j, size in enumerate(sizes):
-                p = planner._policy_for(j, length)
-                if p < 0:
-                    continue
-                variable = per_token[j][p] * length + per_key[j][p] * key
-                choices.append((j, p, fixed[j][p] + variable))
-                amortised = size * (variable + fixed[j][p] * length / capacity[j][p])
-                if amortised < best_work:
-                    best_work, best_level = amortised, j
-            if not choices:
-                raise PlanningError(planner._no_fit_message(length))
-            options[i] = choices
-            work[i] = best_work
-            times[i] = next(t for j, _, t in choices if j == best_level)
-            self.level[i] = best_level
+            choice = cache.get((length, key))
+            if choice is None:
+                choice = cache[(length, key)] = self._least_work_choice(length, key)
+            level[i], work[i], times[i] = choice
+        self.alone_time = times
         self._choose_tall_levels(work, times)
 
     def _choose_tall_levels(self, work: list[float], times: list[float]) -> None:
         """Sequences that alone take longer than the step's average rank load get bigger groups.
 
-        For a target makespan T each tall sequence takes its least-work size among those finishing
+        For a target makespan T each tall sequence takes its least-work level among those finishing
         within T (else its fastest); the estimate ``max(total work / world, longest time)`` is then
-        minimised over the candidate targets (the tall sequences' times per size).
+        minimised over the candidate targets (the tall sequences' times per level). The work term
+        falls and the longest-time term rises with T, so a binary search finds the crossing.
         """
         world = self.world
         total = sum(work)
-        order = sorted(range(self.n), key=lambda i: (-times[i], i))
         average = total / world
-        tall = []
+        order = sorted((i for i in range(self.n) if times[i] > average), key=times.__getitem__, reverse=True)
+        groups: dict[tuple[int, float], list[int]] = {}
+        fixed_longest = 0.0
+        if len(order) < self.n:
+            fixed_longest = max(t for t in times if t <= average)
         for i in order:
-            if times[i] <= average or len(tall) >= 4 * world:
-                break
-            if len(self.options[i]) > 1:
-                tall.append(i)
-        if not tall:
+            if len(groups) >= 4 * world:
+                fixed_longest = max(fixed_longest, times[i])
+                continue
+            options = self.options(i)
+            if len(options) == 1:
+                fixed_longest = max(fixed_longest, times[i])
+                continue
+            groups.setdefault((self.lengths[i], self.keys[i]), []).append(i)
+        if not groups:
             return
-        sizes = self.planner.sizes
-        capacity = self.planner.capacity
-        fixed = self.planner.fixed
-        # Per tall sequence, its (time, work, level) options.
-        tall_options = []
-        for i in tall:
-            opts = []
-            for j, p, t in self.options[i]:
+        planner = self.planner
+        sizes, capacity, fixed = planner.sizes, planner.capacity, planner.fixed
+        group_list = list(groups.values())
+        group_options = []
+        for members in group_list:
+            i = members[0]
+            options = []
+            for j, p, t in self.options(i):
                 variable = t - fixed[j][p]
-                opts.append((t, sizes[j] * (variable + fixed[j][p] * self.lengths[i] / capacity[j][p]), j))
-            tall_options.append(opts)
-        tall_set = set(tall)
-        fixed_longest = max((times[i] for i in order if i not in tall_set), default=0.0)
-        candidates = sorted({t for opts in tall_options for t, _, _ in opts})
-        best = None
-        for target in candidates:
+                options.append((t, sizes[j] * (variable + fixed[j][p] * self.lengths[i] / capacity[j][p]), j))
+            group_options.append(options)
+        candidates = sorted({t for options in group_options for t, _, _ in options})
+
+        def evaluate(target: float) -> tuple[float, float, list[int]]:
             extra = 0.0
             longest = fixed_longest
             choice = []
-            for index, i in enumerate(tall):
-                within = [(w, t, j) for t, w, j in tall_options[index] if t <= target + _EPSILON]
+            for members, options in zip(group_list, group_options):
+                within = [(w, t, j) for t, w, j in options if t <= target * (1 + 1e-12)]
                 if within:
                     w, t, j = min(within)
                 else:
-                    t, w, j = min(tall_options[index])
-                extra += w - work[i]
+                    t, w, j = min(options)
+                extra += len(members) * (w - work[members[0]])
                 longest = max(longest, t)
                 choice.append(j)
-            estimate = max((total + extra) / world, longest)
-            if best is None or estimate < best[0] - _EPSILON:
-                best = (estimate, choice)
-        for i, j in zip(tall, best[1]):
-            self.level[i] = j
+            return (total + extra) / world, longest, choice
+
+        low, high = 0, len(candidates) - 1
+        while low < high:  # first target where the longest time reaches the average load
+            middle = (low + high) // 2
+            average_load, longest, _ = evaluate(candidates[middle])
+            if longest >= average_load:
+                high = middle
+            else:
+                low = middle + 1
+        best = None
+        for index in (low - 1, low, low + 1):
+            if 0 <= index < len(candidates):
+                average_load, longest, choice = evaluate(candidates[index])
+                estimate = max(average_load, longest)
+                if best is None or estimate < best[0] - _EPSILON:
+                    best = (estimate, choice)
+        for members, j in zip(group_list, best[1]):
+            for i in members:
+                self.level[i] = j
+                for jj, p, t in self.options(i):
+                    if jj == j:
+                        self.alone_time[i] = t
 
     # ------------------------------------------------------------------ (b) placement
     def _insertion(self, block: int, level: int, i: int) -> tuple[float, _MicroBatch | None, int]:
@@ -352,7 +423,10 @@ class _PlanState:
         best_mb = None
         best_policy = p
         policy_count = len(capacity)
-        for mb in self.block_mbs[block]:
+        # First fit over the block's most recent micro-batches: items arrive longest first, so older
+        # micro-batches are the full ones; bounding the scan keeps placement linear.
+        mbs = self.block_mbs[block]
+        for mb in (mbs if len(mbs) <= _PACKING_SCAN else mbs[-_PACKING_SCAN:]):
             tokens = mb.tokens + length
             if tokens > max_capacity:
                 continue
@@ -415,41 +489,140 @@ class _PlanState:
             self.loads[r] += delta
 
     def place(self) -> None:
-        """LPT level by level, largest blocks first; first-fit packing inside a block."""
+        """Longest-processing-time placement with first-fit packing inside a block.
+
+        Phase 1 takes the sequences in decreasing time, whatever their level, down to the last one
+        that needs more than one rank; each goes to the block of its size with the least maximum
+        rank load (block maxima are kept in a tree, one lazy heap per level). Phase 2 places the
+        remaining single-rank sequences on the least-loaded rank from one heap over ranks. Placing
+        tall single-rank sequences before the multi-rank ones matters: a rank that already runs an
+        11 s video must not also be loaded by every large block it belongs to.
+        """
         planner = self.planner
-        by_level: list[list[int]] = [[] for _ in planner.sizes]
-        for i in range(self.n):
-            by_level[self.level[i]].append(i)
-        for level in range(planner.levels - 1, -1, -1):
-            items = by_level[level]
-            if not items:
-                continue
-            j_options = self.options
-            alone_time = {}
-            for i in items:
-                for j, _, t in j_options[i]:
-                    if j == level:
-                        alone_time[i] = t
-                        break
-            items.sort(key=lambda i: (-alone_time[i], i))
-            size = planner.sizes[level]
-            offset = planner.block_offset[level]
-            count = planner.blocks_per_level[level]
-            # Ranks of a block all carry the same load here (only larger blocks were placed).
-            heap = [(self.loads[k * size], k) for k in range(count)]
+        times = self.alone_time
+        order = sorted(range(self.n), key=times.__getitem__, reverse=True)  # stable: ties by index
+        last_multi = -1
+        for position, i in enumerate(order):
+            if self.level[i] > 0:
+                last_multi = position
+        if last_multi >= 0:
+            self._place_by_block_maxima(order[: last_multi + 1])
+        self._place_single_rank(order[last_multi + 1 :])
+
+    def _place_by_block_maxima(self, items: list[int]) -> None:
+        planner = self.planner
+        levels = planner.levels
+        offset = planner.block_offset
+        counts = planner.blocks_per_level
+        maxima = [0.0] * planner.num_blocks
+        maxima[: self.world] = self.loads
+        for level in range(1, levels):
+            child = offset[level - 1]
+            for k in range(counts[level]):
+                a, b = maxima[child + 2 * k], maxima[child + 2 * k + 1]
+                maxima[offset[level] + k] = a if a > b else b
+        heaps = [[(maxima[offset[level] + k], k) for k in range(counts[level])] for level in range(levels)]
+        for heap in heaps:
             heapq.heapify(heap)
-            added = [0.0] * count
-            for i in items:
-                load, k = heap[0]
-                block = offset + k
-                delta, mb, policy = self._insertion(block, level, i)
-                self._add(i, level, block, mb, policy, delta, update_loads=False)
-                added[k] += delta
-                heapq.heapreplace(heap, (load + delta, k))
-            for k in range(count):
-                if added[k]:
-                    for r in range(k * size, (k + 1) * size):
-                        self.loads[r] += added[k]
+        heappush, heappop = heapq.heappush, heapq.heappop
+        for i in items:
+            level = self.level[i]
+            heap = heaps[level]
+            base = offset[level]
+            while heap[0][0] != maxima[base + heap[0][1]]:
+                heappop(heap)
+            k = heap[0][1]
+            block = base + k
+            delta, mb, policy = self._insertion(block, level, i)
+            self._add(i, level, block, mb, policy, delta)
+            # the block and every block inside it rise by delta
+            for down in range(level, -1, -1):
+                width = 1 << (level - down)
+                start = offset[down] + k * width
+                down_heap = heaps[down]
+                for node in range(start, start + width):
+                    maxima[node] += delta
+                    heappush(down_heap, (maxima[node], node - offset[down]))
+            # the blocks around it take the max of their halves
+            kk = k
+            for up in range(level + 1, levels):
+                kk >>= 1
+                if kk >= counts[up]:
+                    break
+                child = offset[up - 1] + 2 * kk
+                a, b = maxima[child], maxima[child + 1]
+                value = a if a > b else b
+                node = offset[up] + kk
+                if value == maxima[node]:
+                    break
+                maxima[node] = value
+                heappush(heaps[up], (value, kk))
+
+    def _place_single_rank(self, items: list[int]) -> None:
+        if not items:
+            return
+        planner = self.planner
+        lengths, keys = self.lengths, self.keys
+        capacity = planner.capacity[0]
+        max_capacity = planner.max_capacity[0]
+        fixed, per_token, per_key = planner.fixed[0], planner.per_token[0], planner.per_key[0]
+        policy_count = len(capacity)
+        block_mbs = self.block_mbs
+        seq_mb = self.seq_mb
+        loads = self.loads
+        heap = [(loads[r], r) for r in range(self.world)]
+        heapq.heapify(heap)
+        heapreplace = heapq.heapreplace
+        for i in items:
+            load, r = heap[0]
+            length = lengths[i]
+            key = keys[i]
+            mbs = block_mbs[r]
+            if mbs:
+                # Common case: it fits the rank's newest micro-batch without a slower policy.
+                mb = mbs[-1]
+                q = mb.policy
+                if mb.tokens + length <= capacity[q]:
+                    delta = per_token[q] * length + per_key[q] * key
+                    mb.tokens += length
+                    mb.keys += key
+                    mb.time += delta
+                    mb.members.append(i)
+                    seq_mb[i] = mb
+                    loads[r] = load + delta
+                    heapreplace(heap, (load + delta, r))
+                    continue
+            # else first fit over the rank's most recent micro-batches, or a new one
+            p = 0
+            while length > capacity[p]:
+                p += 1
+            best_delta = fixed[p] + per_token[p] * length + per_key[p] * key
+            best_mb = None
+            best_policy = p
+            for mb in (mbs if len(mbs) <= _PACKING_SCAN else mbs[-_PACKING_SCAN:]):
+                tokens = mb.tokens + length
+                if tokens > max_capacity:
+                    continue
+                q = mb.policy
+                while q < policy_count and tokens > capacity[q]:
+                    q += 1
+                if q == policy_count:
+                    continue
+                delta = fixed[q] + per_token[q] * tokens + per_key[q] * (mb.keys + key) - mb.time
+                if delta < best_delta - _EPSILON:
+                    best_delta, best_mb, best_policy = delta, mb, q
+            if best_mb is None:
+                best_mb = _MicroBatch(0, r, best_policy, length, key, best_delta, [i])
+                mbs.append(best_mb)
+            else:
+                best_mb.tokens += length
+                best_mb.keys += key
+                best_mb.policy = best_policy
+                best_mb.time += best_delta
+                best_mb.members.append(i)
+            seq_mb[i] = best_mb
+            loads[r] = load + best_delta
+            heapreplace(heap, (load + best_delta, r))
 
     # ------------------------------------------------------------------ (c) local search
     def _block_maxima(self) -> list[float]:
@@ -517,13 +690,11 @@ class _PlanState:
                     seen_lengths = set()
                     for i in mb.members:
                         signature = (self.lengths[i], self.keys[i])
-                        if signature in seen_lengths:
+                        if signature in seen_lengths or evaluations >= budget:
                             continue
                         seen_lengths.add(signature)
                         removal, _ = self._removal(i)
-                        for dst_level in range(max(0, src_level - 1), min(planner.levels, src_level + 2)):
-                            if self.lengths[i] > planner.max_capacity[dst_level]:
-                                continue
+                        for dst_level in self._neighbour_levels(i, src_level):
                             dst_block, second = least[dst_level]
                             if dst_block == src_block:
                                 dst_block = second
@@ -560,6 +731,16 @@ class _PlanState:
             if max(self.loads[r] for r in affected) >= makespan - max(1e-9 * makespan, _EPSILON):
                 self._restore(saved, before)
                 break
+
+    def _neighbour_levels(self, i: int, level: int) -> list[int]:
+        """The sequence's own level and the nearest feasible levels above and below it."""
+        signature = (self.lengths[i], self.keys[i], level)
+        cached = self._neighbour_cache.get(signature)
+        if cached is None:
+            feasible = [j for j, _, _ in self.options(i)]
+            position = feasible.index(level)
+            cached = self._neighbour_cache[signature] = feasible[max(0, position - 1) : position + 2]
+        return cached
 
     def _find_swap(self, critical: int, makespan: float, maxima: list[float], least: list[tuple[int, int]]):
         """Swap a sequence on the busiest rank with a shorter one on the least-loaded block of the
@@ -644,6 +825,7 @@ class _PlanState:
                 if len(mbs) < 2:
                     continue
                 mbs.sort(key=lambda mb: mb.tokens)
+                max_capacity = planner.max_capacity[level]
                 merged = True
                 while merged and len(mbs) > 1:
                     merged = False
@@ -651,6 +833,8 @@ class _PlanState:
                         for b in range(a + 1, len(mbs)):
                             first, second = mbs[a], mbs[b]
                             tokens = first.tokens + second.tokens
+                            if tokens > max_capacity:
+                                break  # sorted by tokens: every later partner is larger
                             policy = planner._policy_for(level, tokens)
                             if policy < 0:
                                 continue
@@ -683,7 +867,7 @@ class _PlanState:
         least_work = []
         for i in order:
             best = float("inf")
-            for j, p, t in self.options[i] if self.options[i] else []:
+            for j, p, t in self.options(i):
                 best = min(best, sizes[j] * (t - planner.fixed[j][p]))
             least_work.append(best)
         remaining_work = [0.0] * (self.n + 1)
