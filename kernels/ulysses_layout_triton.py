@@ -8,7 +8,7 @@ single pass over the data with no intermediate tensors.
 
 * ``gather_heads``: ``send[j, s, b, h, :] = x[b, head_index[j*Hp + h], s, :]`` (zeros for -1).
 * ``scatter_heads``: its adjoint, ``out[b, g, s, :] = sum over slots k with head_index[k] == g of
-  recv[k // Hp, s, b, k % Hp, :]`` accumulated in fp32 (each output tile is written once, so
+  recv[k // Hp, s, b, k % Hp, :]`` accumulated in fp32 (fp64 for fp64) (each output tile is written once, so
   no atomics and the result is deterministic).
 * ``permute_copy``: ``dst[b, h, s, :] = src[b, h, s, :]`` for arbitrary strides on both sides, the
   sequence-side pack and its inverse.
@@ -72,7 +72,7 @@ def _scatter_heads_kernel(
     recv_ptr, index_ptr, out_ptr,
     S, B, HP, H, D, n_s_blocks,
     stride_rj, stride_rs, stride_rb, stride_rh, stride_rd,
-    HAS_INDEX: tl.constexpr, NUM_SLOTS: tl.constexpr,
+    HAS_INDEX: tl.constexpr, NUM_SLOTS: tl.constexpr, ACC_DTYPE: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -87,7 +87,7 @@ def _scatter_heads_kernel(
     rows = offs_s.to(tl.int64)
     base = recv_ptr + b.to(tl.int64) * stride_rb + rows[:, None] * stride_rs + offs_d[None, :] * stride_rd
 
-    acc = tl.full([BLOCK_S, BLOCK_D], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_S, BLOCK_D], 0.0, dtype=ACC_DTYPE)
     if HAS_INDEX:
         # Every slot that reads head g contributes (GQA replication); -1 slots match nothing.
         for k in range(NUM_SLOTS):
@@ -96,12 +96,12 @@ def _scatter_heads_kernel(
                 j = k // HP
                 h = k % HP
                 ptrs = base + j.to(tl.int64) * stride_rj + h.to(tl.int64) * stride_rh
-                acc += tl.load(ptrs, mask=in_bounds, other=0.0).to(tl.float32)
+                acc += tl.load(ptrs, mask=in_bounds, other=0.0).to(ACC_DTYPE)
     else:
         j = g // HP
         h = g % HP
         ptrs = base + j.to(tl.int64) * stride_rj + h.to(tl.int64) * stride_rh
-        acc += tl.load(ptrs, mask=in_bounds, other=0.0).to(tl.float32)
+        acc += tl.load(ptrs, mask=in_bounds, other=0.0).to(ACC_DTYPE)
 
     out_ptrs = out_ptr + ((b.to(tl.int64) * H + g) * S + rows[:, None]) * D + offs_d[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_bounds)
@@ -170,6 +170,7 @@ def scatter_heads(recv: torch.Tensor, num_heads: int, head_index: Optional[torch
         seq, batch, hp, num_heads, dim, n_s_blocks,
         *recv.stride(),
         HAS_INDEX=head_index is not None, NUM_SLOTS=sp_size * hp,
+        ACC_DTYPE=tl.float64 if recv.dtype == torch.float64 else tl.float32,
         BLOCK_S=block_s, BLOCK_D=block_d,
     )
     return out
