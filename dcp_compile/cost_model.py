@@ -502,7 +502,7 @@ def _non_negative_least_squares(rows: Sequence[Sequence[float]], targets: Sequen
             )
             if error < best_error - 1e-18:
                 best, best_error = solution, error
-    return best or {c: 0.0 for c in columns}
+    return {c: (best or {}).get(c, 0.0) for c in columns}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ class ScheduledMicroBatch:
     recompute: str
     predicted_time: float
     tokens: int
+    round: int = 0  # schedules with several synchronised rounds per step (the published baselines)
 
     @property
     def ranks(self) -> range:
@@ -66,7 +67,26 @@ class Schedule:
 
     @property
     def makespan(self) -> float:
+        """The step's time: the busiest rank's summed micro-batch time (one sync per step)."""
         return max(self.rank_loads(), default=0.0)
+
+    @property
+    def synchronised_makespan(self) -> float:
+        """The step's time if all ranks synchronise after every round (the published baselines
+        end each of their iterations with a gradient sync): the sum of the rounds' makespans. Equal
+        to :attr:`makespan` for single-round schedules, never below it."""
+        rounds = sorted({microbatch.round for microbatch in self.microbatches})
+        if len(rounds) <= 1:
+            return self.makespan
+        total = 0.0
+        for round_index in rounds:
+            loads = [0.0] * self.world_size
+            for microbatch in self.microbatches:
+                if microbatch.round == round_index:
+                    for rank in microbatch.ranks:
+                        loads[rank] += microbatch.predicted_time
+            total += max(loads)
+        return total
 
     def positions(self) -> list[int]:
         """Every scheduled position (each exactly once in a valid schedule)."""

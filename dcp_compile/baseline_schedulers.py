@@ -1,0 +1,554 @@
+"""The published schedulers, on our cost model, as baselines the planner must beat.
+
+Faithful to the reference implementation (VideoSys ``videosys/training/datasets/open_sora/sampler.py``
+and ``videosys/core/dcp/profiler.py``, late 2024; see ``/work/shared/reference/published-dcp.md``):
+
+* :class:`StaticSPScheduler`: one SP size and one recompute policy for everything (the smallest SP
+  that holds the longest sample, every block checkpointed), a fixed batch size, samples dealt to
+  groups in order like ``DistributedSampler``, gradient accumulation, one sync per step.
+* :class:`BucketParallelScheduler`: Open-Sora's bucket sampler: one SP size for all, per-bucket
+  batch sizes from a profile (largest power-of-two batch under 70% of memory) rescaled toward the
+  median bucket time; each round every group runs one micro-batch of one bucket.
+* :class:`DCPIntraScheduler`: the published "sp_balance" schedule: fill the GPUs with groups
+  (random SP weighted by how many buckets prefer it, a random bucket of that SP, the bucket's max
+  batch), balance toward the shortest group by shrinking batches and doubling SP (assuming time
+  halves), give back surplus samples, drop the smallest groups that no longer fit, raise batches
+  toward the longest group. One micro-batch per group per round.
+* :class:`DCPInterScheduler`: the published gradient-accumulation schedule: groups keep their
+  profiled (SP, batch); accumulation counts come from the 1.2-overshoot / 1.0-undershoot penalty
+  search; with ``pyramid_recompute`` each micro-batch runs the fastest recompute policy that fits
+  the profile's memory cap (the coarse analog of the per-layer knapsack: our policies are per
+  micro-batch, not per layer).
+
+Adaptations, all in the baselines' favour or neutral:
+
+* **Iso-batch.** Every scheduler trains exactly the step's samples (ours draws them; the published
+  samplers draw from buckets). Round-based schedulers run as many rounds as it takes; tails are
+  kept (``keep_last``), never dropped or padded.
+* **Time.** Iso-batch means one optimizer step per step, so the rounds of a round-based scheduler
+  are gradient-accumulation micro-steps with one sync at the end: a step costs its busiest rank's
+  summed micro-batch time, exactly as for our plans. That ignores the waits the published
+  placement causes (a group's collectives start when its slowest member arrives from the previous
+  round), so it flatters the baselines; ``Schedule.synchronised_makespan`` gives the published
+  per-round-sync time for reference. Micro-batch times come from the same cost model as ours, on
+  the actual lengths.
+* **Randomness** comes from a seeded generator (deterministic); the weighted SP draw is done
+  correctly (the reference code compares a uniform draw to non-cumulative weights).
+* **Buckets** are the distinct lengths when there are at most ``max_buckets`` of them (the
+  Open-Sora setting), else geometric length bins (ratio 1.25) represented by their longest member.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+from .cost_model import RECOMPUTE_POLICIES, CostModel
+from .plan import Schedule, ScheduledMicroBatch
+
+log = logging.getLogger(__name__)
+
+PUBLISHED_MEMORY_FRACTION = 0.7  # the published profiler keeps peak memory under 65-70%
+_MAX_PROFILE_BATCH = 4096
+
+
+@dataclass(frozen=True)
+class BucketProfile:
+    """The profiled configuration of one bucket: SP size, batch size, time of a full batch."""
+
+    length: int
+    span: float
+    sp_size: int
+    batch_size: int
+    time: float
+    recompute: str
+
+
+def bucketize(lengths: Sequence[int], max_buckets: int = 32) -> list[int]:
+    """Bucket key (the bucket's representative, i.e. longest, length) of every sequence."""
+    distinct = sorted(set(lengths))
+    if len(distinct) <= max_buckets:
+        return list(lengths)
+    ratio = 1.25
+    keys = []
+    representative: dict[int, int] = {}
+    for length in lengths:
+        index = int(math.floor(math.log(max(length, 1), ratio)))
+        representative[index] = max(representative.get(index, 0), length)
+        keys.append(index)
+    return [representative[index] for index in keys]
+
+
+class _BaselineScheduler:
+    """Shared plumbing: memory cap, SP sizes, evaluation of micro-batches on the cost model."""
+
+    name = "baseline"
+
+    def __init__(
+        self,
+        cost_model: CostModel,
+        world_size: int,
+        *,
+        memory_fraction: float = PUBLISHED_MEMORY_FRACTION,
+        max_tokens_per_rank: int | None = None,
+        recompute: str = "full",
+        max_buckets: int = 32,
+        seed: int = 0,
+    ) -> None:
+        if recompute not in RECOMPUTE_POLICIES:
+            raise ValueError(f"unknown recompute policy {recompute!r}; use one of {RECOMPUTE_POLICIES}")
+        self.cost_model = cost_model
+        self.world_size = world_size
+        self.memory_cap = memory_fraction * cost_model.hardware.memory_capacity
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.recompute = recompute
+        self.max_buckets = max_buckets
+        self.seed = seed
+        self.node_size = max(1, min(world_size, cost_model.hardware.gpus_per_node))
+        sizes = [1]
+        while sizes[-1] * 2 <= world_size:
+            sizes.append(sizes[-1] * 2)
+        self.sizes = sizes
+
+    # ------------------------------------------------------------------ helpers
+    def fits(self, lengths: Sequence[int], sp_size: int, recompute: str | None = None) -> bool:
+        tokens = sum(lengths)
+        if self.max_tokens_per_rank is not None and tokens > self.max_tokens_per_rank * sp_size:
+            return False
+        return self.cost_model.peak_memory(lengths, sp_size, recompute or self.recompute) <= self.memory_cap
+
+    def smallest_sp(self, length: int, recompute: str | None = None) -> int:
+        for size in self.sizes:
+            if self.fits([length], size, recompute):
+                return size
+        raise ValueError(
+            f"{self.name}: a sequence of {length:,} tokens fits on no SP size up to {self.sizes[-1]} "
+            f"under {self.memory_cap / 1e9:.1f} GB with recompute={recompute or self.recompute!r}"
+        )
+
+    def microbatch(
+        self, positions: list[int], lengths: Sequence[int], spans: Sequence[float], sp_size: int,
+        first_rank: int, recompute: str | None = None, round_index: int = 0,
+    ) -> ScheduledMicroBatch:
+        policy = recompute or self.recompute
+        mb_lengths = [lengths[p] for p in positions]
+        time = self.cost_model.time(mb_lengths, sp_size, policy, [spans[p] for p in positions])
+        return ScheduledMicroBatch(
+            positions=list(positions), sp_size=sp_size, first_rank=first_rank, recompute=policy,
+            predicted_time=time, tokens=sum(mb_lengths), round=round_index,
+        )
+
+    def profile_bucket(self, length: int, span: float, fixed_sp: int | None = None) -> BucketProfile:
+        """The published offline profile of one bucket.
+
+        Start at SP 1 (or ``fixed_sp``), batch 1; double the batch until it no longer fits; then
+        double SP and restart at half the last good batch; keep the (batch, SP) with the most
+        samples per GPU-second. SP stays within a node unless the bucket fits nowhere there.
+        """
+        best: BucketProfile | None = None
+        sp = fixed_sp or 1
+        start_batch = 1
+        limit = self.node_size if fixed_sp is None else fixed_sp
+        while sp <= self.world_size:
+            if sp > limit and best is not None:
+                break
+            batch = start_batch
+            good = 0
+            while batch <= _MAX_PROFILE_BATCH and self.fits([length] * batch, sp):
+                good = batch
+                batch *= 2
+            if good:
+                time = self.cost_model.time([length] * good, sp, self.recompute, [span] * good)
+                throughput = good / (sp * time)
+                if best is None or throughput > best.batch_size / (best.sp_size * best.time):
+                    best = BucketProfile(length, span, sp, good, time, self.recompute)
+                start_batch = max(1, good // 2)
+            if fixed_sp is not None:
+                break
+            sp *= 2
+        if best is None:
+            raise ValueError(
+                f"{self.name}: a bucket of {length:,}-token samples fits on no SP size up to "
+                f"{min(self.world_size, fixed_sp or self.world_size)} under {self.memory_cap / 1e9:.1f} GB"
+            )
+        return best
+
+    def group_by_bucket(self, lengths: Sequence[int], spans: Sequence[float]) -> dict[int, list[int]]:
+        keys = bucketize(lengths, self.max_buckets)
+        buckets: dict[int, list[int]] = {}
+        for position, key in enumerate(keys):
+            buckets.setdefault(key, []).append(position)
+        return dict(sorted(buckets.items()))
+
+    def bucket_profiles(self, buckets: dict[int, list[int]], spans: Sequence[float], fixed_sp: int | None = None) -> dict[int, BucketProfile]:
+        profiles = {}
+        for key, positions in buckets.items():
+            span = max(spans[p] for p in positions)
+            profiles[key] = self.profile_bucket(key, span, fixed_sp)
+        return profiles
+
+    def schedule(self, lengths: Sequence[int], spans: Sequence[float] | None = None) -> Schedule:
+        raise NotImplementedError
+
+    @staticmethod
+    def _spans(lengths: Sequence[int], spans: Sequence[float] | None) -> list[float]:
+        return [float(x) for x in lengths] if spans is None else [float(s) for s in spans]
+
+
+# ---------------------------------------------------------------------------------------------
+class StaticSPScheduler(_BaselineScheduler):
+    """One SP size, one policy, one batch size for every sample of the dataset."""
+
+    name = "static-sp"
+
+    def __init__(self, cost_model: CostModel, world_size: int, max_length: int, *, sp_size: int | None = None, **kwargs) -> None:
+        super().__init__(cost_model, world_size, **kwargs)
+        self.sp_size = sp_size or self.smallest_sp(max_length)
+        batch = 1
+        while self.fits([max_length] * (batch * 2), self.sp_size) and batch < _MAX_PROFILE_BATCH:
+            batch *= 2
+        self.batch_size = batch
+
+    def schedule(self, lengths: Sequence[int], spans: Sequence[float] | None = None) -> Schedule:
+        spans = self._spans(lengths, spans)
+        groups = self.world_size // self.sp_size
+        dealt: list[list[int]] = [[] for _ in range(groups)]
+        for position in range(len(lengths)):
+            dealt[position % groups].append(position)
+        microbatches = []
+        for group, positions in enumerate(dealt):
+            for start in range(0, len(positions), self.batch_size):
+                microbatches.append(
+                    self.microbatch(positions[start : start + self.batch_size], lengths, spans, self.sp_size, group * self.sp_size)
+                )
+        return Schedule(self.world_size, microbatches, scheduler=self.name)
+
+
+# ---------------------------------------------------------------------------------------------
+class BucketParallelScheduler(_BaselineScheduler):
+    """Open-Sora's bucket sampler: one SP size, per-bucket batch sizes, one micro-batch per group
+    per (synchronised) round."""
+
+    name = "bucket-parallel"
+
+    def __init__(self, cost_model: CostModel, world_size: int, max_length: int, *, sp_size: int | None = None, **kwargs) -> None:
+        super().__init__(cost_model, world_size, **kwargs)
+        self.sp_size = max(sp_size or 1, self.smallest_sp(max_length))
+        self._profiles: dict[tuple[int, float], BucketProfile] = {}
+
+    def _batch_sizes(self, buckets: dict[int, list[int]], spans: Sequence[float]) -> dict[int, int]:
+        profiles = {}
+        for key, positions in buckets.items():
+            span = max(spans[p] for p in positions)
+            cache_key = (key, span)
+            if cache_key not in self._profiles:
+                self._profiles[cache_key] = self.profile_bucket(key, span, fixed_sp=self.sp_size)
+            profiles[key] = self._profiles[cache_key]
+        # Rescale toward the median bucket time (the profiler's interpolate step with static SP:
+        # only buckets slower than the median shrink their batch).
+        times = sorted(profile.time for profile in profiles.values())
+        median = _median(times)
+        sizes = {}
+        for key, profile in profiles.items():
+            batch = profile.batch_size
+            if profile.time > median:
+                batch = max(1, int(batch * median / profile.time))
+            sizes[key] = batch
+        return sizes
+
+    def schedule(self, lengths: Sequence[int], spans: Sequence[float] | None = None) -> Schedule:
+        spans = self._spans(lengths, spans)
+        buckets = self.group_by_bucket(lengths, spans)
+        sizes = self._batch_sizes(buckets, spans)
+        batches: list[list[int]] = []
+        for key, positions in buckets.items():
+            size = sizes[key]
+            batches += [positions[start : start + size] for start in range(0, len(positions), size)]
+        random.Random(self.seed).shuffle(batches)
+        groups = self.world_size // self.sp_size
+        microbatches = [
+            self.microbatch(batch, lengths, spans, self.sp_size, (index % groups) * self.sp_size, round_index=index // groups)
+            for index, batch in enumerate(batches)
+        ]
+        return Schedule(self.world_size, microbatches, scheduler=self.name)
+
+
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class _GroupChoice:
+    bucket: int
+    batch_size: int
+    sp_size: int
+    time: float  # the scheduler's own estimate (profile-based)
+
+
+class _RoundScheduler(_BaselineScheduler):
+    """Round-based published schedulers: profile per bucket, then rounds until the step is empty."""
+
+    def __init__(self, cost_model: CostModel, world_size: int, **kwargs) -> None:
+        super().__init__(cost_model, world_size, **kwargs)
+        self._profile_cache: dict[tuple[int, float], BucketProfile] = {}
+
+    def profiles_for(self, buckets: dict[int, list[int]], spans: Sequence[float]) -> dict[int, BucketProfile]:
+        profiles = {}
+        for key, positions in buckets.items():
+            span = max(spans[p] for p in positions)
+            if (key, span) not in self._profile_cache:
+                self._profile_cache[(key, span)] = self.profile_bucket(key, span)
+            profiles[key] = self._profile_cache[(key, span)]
+        return profiles
+
+    def _place(self, groups: list[tuple[int, list[list[int]], str | None]], lengths, spans, round_index: int) -> list[ScheduledMicroBatch]:
+        """Aligned contiguous blocks, largest SP first (the published placement)."""
+        groups = sorted(groups, key=lambda g: -g[0])
+        first = 0
+        out = []
+        for sp_size, batches, policy in groups:
+            first = ((first + sp_size - 1) // sp_size) * sp_size
+            if first + sp_size > self.world_size:
+                raise AssertionError(f"{self.name}: groups exceed the world in round {round_index}")
+            for batch in batches:
+                if batch:
+                    out.append(self.microbatch(batch, lengths, spans, sp_size, first, policy, round_index))
+            first += sp_size
+        return out
+
+    @staticmethod
+    def _weighted_sp(rng: random.Random, candidates: list[int], bucket_counts: dict[int, int]) -> int:
+        weights = [bucket_counts[sp] for sp in candidates]
+        draw = rng.random() * sum(weights)
+        for sp, weight in zip(candidates, weights):
+            if draw < weight:
+                return sp
+            draw -= weight
+        return candidates[-1]
+
+
+class DCPIntraScheduler(_RoundScheduler):
+    """The published intra-iteration balancing (``sp_balance_scope="iter"``), keep-last semantics."""
+
+    name = "dcp-intra"
+
+    def schedule(self, lengths: Sequence[int], spans: Sequence[float] | None = None) -> Schedule:
+        spans = self._spans(lengths, spans)
+        buckets = self.group_by_bucket(lengths, spans)
+        profiles = self.profiles_for(buckets, spans)
+        remaining = {key: list(positions) for key, positions in buckets.items()}
+        rng = random.Random(self.seed)
+        max_sp = self.node_size
+        microbatches: list[ScheduledMicroBatch] = []
+        round_index = 0
+        while any(remaining.values()):
+            sp_buckets = self._sp_buckets(remaining, profiles)
+            plans: list[_GroupChoice] = []
+            free = self.world_size
+            while free > 0:
+                candidates = [sp for sp in sorted(sp_buckets) if sp <= free and sp_buckets[sp]]
+                if not candidates:
+                    break
+                sp = self._weighted_sp(rng, candidates, {s: len(b) for s, b in sp_buckets.items()})
+                bucket = sp_buckets[sp][rng.randrange(len(sp_buckets[sp]))]
+                profile = profiles[bucket]
+                count = min(profile.batch_size, self._left(remaining, plans, bucket))
+                plans.append(_GroupChoice(bucket, count, sp, profile.time / profile.batch_size * count))
+                free -= sp
+                if self._left(remaining, plans, bucket) == 0:
+                    sp_buckets[sp].remove(bucket)
+            if not plans:
+                raise AssertionError("dcp-intra: no group could be formed")
+            # Balance toward the shortest group that still has samples left behind it.
+            with_more = [p.time for p in plans if self._left(remaining, plans, p.bucket) > 0]
+            target = min(with_more) if with_more else 0.0
+            for plan in plans:
+                if with_more and plan.time < target:
+                    continue  # a bucket's last batch shorter than the target is left alone
+                if not with_more:
+                    continue
+                unit = plan.time / plan.batch_size
+                batch = max(1, plan.batch_size - round((plan.time - target) / unit))
+                time = unit * batch
+                best_time, best_diff, best_sp = time, abs(time - target), plan.sp_size
+                sp = plan.sp_size
+                while sp < max_sp and time > target:
+                    sp *= 2
+                    time /= 2  # the published estimate: doubling SP halves the time
+                    if abs(time - target) < best_diff:
+                        best_time, best_diff, best_sp = time, abs(time - target), sp
+                plan.batch_size, plan.time, plan.sp_size = batch, best_time, best_sp
+            # Drop the smallest groups while the groups exceed the world.
+            plans.sort(key=lambda p: -p.sp_size)
+            while sum(p.sp_size for p in plans) > self.world_size:
+                plans.pop()
+            # Raise batches toward the longest group.
+            longest = max(p.time for p in plans)
+            for plan in plans:
+                profile = profiles[plan.bucket]
+                unit = plan.time / plan.batch_size
+                increment = int((longest - plan.time) // unit) if unit > 0 else 0
+                increment = min(increment, profile.batch_size - plan.batch_size, self._left(remaining, plans, plan.bucket))
+                if increment > 0:
+                    plan.batch_size += increment
+                    plan.time += unit * increment
+            groups = []
+            for plan in plans:
+                take = remaining[plan.bucket][: plan.batch_size]
+                remaining[plan.bucket] = remaining[plan.bucket][plan.batch_size :]
+                if not take:
+                    continue
+                # Keep the memory promise when SP was doubled past the profile: never less than profiled.
+                groups.append((plan.sp_size, [take], None))
+            microbatches += self._place(groups, lengths, spans, round_index)
+            round_index += 1
+        return Schedule(self.world_size, microbatches, scheduler=self.name)
+
+    @staticmethod
+    def _left(remaining: dict[int, list[int]], plans: list[_GroupChoice], bucket: int) -> int:
+        taken = sum(p.batch_size for p in plans if p.bucket == bucket)
+        return len(remaining[bucket]) - taken
+
+    @staticmethod
+    def _sp_buckets(remaining: dict[int, list[int]], profiles: dict[int, BucketProfile]) -> dict[int, list[int]]:
+        sp_buckets: dict[int, list[int]] = {}
+        for key, positions in remaining.items():
+            if positions:
+                sp_buckets.setdefault(profiles[key].sp_size, []).append(key)
+        return sp_buckets
+
+
+class DCPInterScheduler(_RoundScheduler):
+    """The published inter-iteration schedule: per-group gradient accumulation chosen by the
+    asymmetric penalty (1.2 x overshoot, 1.0 x undershoot), optionally with pyramid recompute."""
+
+    name = "dcp-inter"
+
+    def __init__(
+        self, cost_model: CostModel, world_size: int, *, max_accumulation: int = 4, min_accumulation: int = 1,
+        pyramid_recompute: bool = True, **kwargs,
+    ) -> None:
+        super().__init__(cost_model, world_size, **kwargs)
+        self.max_accumulation = max_accumulation
+        self.min_accumulation = min_accumulation
+        self.pyramid_recompute = pyramid_recompute
+
+    @staticmethod
+    def accumulation_counts(times: Sequence[float], max_accumulation: int, min_accumulation: int = 1) -> list[int]:
+        """The published search: try every target ``t_j * m`` up to ``max(t) * max_accumulation``; each
+        group takes the count minimising 1.2 x overshoot / 1.0 x undershoot; keep the target with
+        the least total penalty; scale up if the largest count is below ``min_accumulation``."""
+        limit = max(times) * max_accumulation
+        best_counts: list[int] | None = None
+        best_penalty = math.inf
+        for outer in times:
+            for multiple in range(1, int(limit / outer) + 1):
+                target = outer * multiple
+                if target > limit:
+                    break
+                counts, penalty = [], 0.0
+                for inner in times:
+                    best_inner, best_count = math.inf, 1
+                    for count in range(1, int(limit / inner) + 1):
+                        value = inner * count
+                        if value > limit:
+                            break
+                        score = (value - target) * 1.2 if value > target else (target - value)
+                        if score < best_inner:
+                            best_inner, best_count = score, count
+                    counts.append(best_count)
+                    penalty += best_inner
+                if penalty < best_penalty:
+                    best_penalty, best_counts = penalty, counts
+        counts = best_counts or [1] * len(times)
+        if max(counts) < min_accumulation:
+            factor = math.ceil(min_accumulation / max(counts))
+            counts = [c * factor for c in counts]
+        return counts
+
+    def _policy(self, batch: list[int], lengths: Sequence[int], sp_size: int) -> str | None:
+        if not self.pyramid_recompute:
+            return None
+        mb_lengths = [lengths[p] for p in batch]
+        for policy in RECOMPUTE_POLICIES:
+            if self.fits(mb_lengths, sp_size, policy):
+                return policy
+        return None
+
+    def schedule(self, lengths: Sequence[int], spans: Sequence[float] | None = None) -> Schedule:
+        spans = self._spans(lengths, spans)
+        buckets = self.group_by_bucket(lengths, spans)
+        profiles = self.profiles_for(buckets, spans)
+        remaining = {key: list(positions) for key, positions in buckets.items()}
+        rng = random.Random(self.seed)
+        microbatches: list[ScheduledMicroBatch] = []
+        round_index = 0
+        while any(remaining.values()):
+            sp_buckets = DCPIntraScheduler._sp_buckets(remaining, profiles)
+            chosen: list[tuple[int, list[int]]] = []  # (bucket, first batch)
+            free = self.world_size
+            while free > 0:
+                candidates = [sp for sp in sorted(sp_buckets) if sp <= free and sp_buckets[sp]]
+                if not candidates:
+                    break
+                sp = self._weighted_sp(rng, candidates, {s: len(b) for s, b in sp_buckets.items()})
+                bucket = sp_buckets[sp][rng.randrange(len(sp_buckets[sp]))]
+                size = profiles[bucket].batch_size
+                batch, remaining[bucket] = remaining[bucket][:size], remaining[bucket][size:]
+                chosen.append((bucket, batch))
+                free -= sp
+                if not remaining[bucket]:
+                    sp_buckets[sp].remove(bucket)
+            if not chosen:
+                raise AssertionError("dcp-inter: no group could be formed")
+            chosen.sort(key=lambda item: -profiles[item[0]].sp_size)
+            counts = self.accumulation_counts([profiles[b].time for b, _ in chosen], self.max_accumulation, self.min_accumulation)
+            groups = []
+            for (bucket, first_batch), count in zip(chosen, counts):
+                profile = profiles[bucket]
+                batches = [first_batch]
+                for _ in range(count - 1):
+                    if not remaining[bucket]:
+                        break
+                    batch, remaining[bucket] = remaining[bucket][: profile.batch_size], remaining[bucket][profile.batch_size :]
+                    batches.append(batch)
+                policy = self._policy(batches[0], lengths, profile.sp_size)
+                groups.append((profile.sp_size, batches, policy))
+            # Each group's micro-batches may need different policies (shorter tail batches).
+            placed = self._place(groups, lengths, spans, round_index)
+            if self.pyramid_recompute:
+                placed = [
+                    self.microbatch(mb.positions, lengths, spans, mb.sp_size, mb.first_rank,
+                                    self._policy(mb.positions, lengths, mb.sp_size), round_index)
+                    for mb in placed
+                ]
+            microbatches += placed
+            round_index += 1
+        return Schedule(self.world_size, microbatches, scheduler=self.name)
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[middle]
+    return (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def make_baselines(
+    cost_model: CostModel,
+    world_size: int,
+    max_length: int,
+    *,
+    bucket_sp_size: int | None = None,
+    max_tokens_per_rank: int | None = None,
+    seed: int = 0,
+) -> list[_BaselineScheduler]:
+    """The four published baselines for a dataset whose longest sample has ``max_length`` tokens."""
+    common = dict(max_tokens_per_rank=max_tokens_per_rank, seed=seed)
+    return [
+        StaticSPScheduler(cost_model, world_size, max_length, **common),
+        BucketParallelScheduler(cost_model, world_size, max_length, sp_size=bucket_sp_size, **common),
+        DCPIntraScheduler(cost_model, world_size, **common),
+        DCPInterScheduler(cost_model, world_size, **common),
+    ]

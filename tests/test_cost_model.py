@@ -1,0 +1,208 @@
+"""The cost model: monotone in length, recompute trades memory for time, round trips, calibration."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dcp_compile.cost_model import (
+    COST_TERMS,
+    RECOMPUTE_POLICIES,
+    CalibrationPoint,
+    CostModel,
+    ModelProfile,
+    video_attention_span,
+)
+from dcp_compile.hardware import Hardware
+
+PRESETS = ("stdit3-xl/2", "llama-3-8b")
+
+
+@pytest.fixture(params=PRESETS)
+def cost_model(request) -> CostModel:
+    return CostModel(ModelProfile.from_config(request.param), Hardware.H200, optimizer_shards=32)
+
+
+def test_time_and_memory_grow_with_length(cost_model: CostModel) -> None:
+    lengths = [128, 512, 2048, 8192, 32768, 131072]
+    for sp in (1, 2, 8, 16):
+        for policy in RECOMPUTE_POLICIES:
+            times = [cost_model.time([n], sp, policy) for n in lengths]
+            memory = [cost_model.peak_memory([n], sp, policy) for n in lengths]
+            assert all(a < b for a, b in zip(times, times[1:])), (sp, policy, times)
+            assert all(a < b for a, b in zip(memory, memory[1:])), (sp, policy, memory)
+    # Attention makes time superlinear in one sequence's length, but not in a packed batch's.
+    one_long = cost_model.time([65536], 1, "full")
+    many_short = cost_model.time([1024] * 64, 1, "full")
+    assert one_long > many_short
+
+
+def test_recompute_trades_memory_for_time(cost_model: CostModel) -> None:
+    for sp in (1, 4):
+        times = [cost_model.time([16384], sp, p) for p in RECOMPUTE_POLICIES]
+        memory = [cost_model.peak_memory([16384], sp, p) for p in RECOMPUTE_POLICIES]
+        assert times == sorted(times) and len(set(times)) == len(times), times
+        assert memory == sorted(memory, reverse=True) and len(set(memory)) == len(memory), memory
+        capacities = [cost_model.token_capacity(sp, p, 100e9) for p in RECOMPUTE_POLICIES]
+        assert capacities == sorted(capacities), capacities
+
+
+def test_sequence_parallel_splits_work_and_memory(cost_model: CostModel) -> None:
+    # More ranks: less time and memory per rank, but more rank-seconds (communication).
+    times = [cost_model.time([65536], sp, "full") for sp in (1, 2, 4, 8)]
+    assert times == sorted(times, reverse=True)
+    work = [sp * cost_model.time([65536], sp, "full") for sp in (1, 2, 4, 8)]
+    assert work == sorted(work)
+    assert cost_model.terms([65536], 1, "full")["communication"] == 0
+    assert cost_model.terms([65536], 8, "full")["communication"] > 0
+    # Crossing the node boundary (8 GPUs per node) makes the all-to-all slower per byte.
+    per_token = {sp: cost_model.raw_term_coefficients(sp, "none")["communication"][1] * sp for sp in (2, 4, 8, 16)}
+    assert per_token[16] > 2 * per_token[8]
+
+
+def test_time_is_separable_over_packed_sequences(cost_model: CostModel) -> None:
+    lengths = [300, 5000, 1200]
+    coefficients = cost_model.time_coefficients(4, "selective")
+    expected = coefficients.fixed + sum(
+        coefficients.per_token * n + coefficients.per_token_key * n * n for n in lengths
+    )
+    assert cost_model.time(lengths, 4, "selective") == pytest.approx(expected, rel=1e-12)
+    terms = cost_model.terms(lengths, 4, "selective")
+    assert set(terms) == set(COST_TERMS)
+    assert sum(terms.values()) == pytest.approx(cost_model.time(lengths, 4, "selective"), rel=1e-12)
+
+
+def test_token_capacity_is_the_memory_boundary(cost_model: CostModel) -> None:
+    cap = 0.9 * cost_model.hardware.memory_capacity
+    for sp in (1, 2, 8):
+        for policy in RECOMPUTE_POLICIES:
+            tokens = cost_model.token_capacity(sp, policy, cap)
+            assert tokens > 0
+            assert cost_model.peak_memory([tokens], sp, policy) <= cap
+            assert cost_model.peak_memory([tokens + 1], sp, policy) > cap
+
+
+def test_video_span_makes_spatial_temporal_attention_cheaper() -> None:
+    model = CostModel(ModelProfile.from_config("open-sora-v1.2"), Hardware.H200)
+    frames, height, width = 120, 45, 80
+    tokens = frames * height * width
+    full = model.time([tokens], 8, "full")
+    factored = model.time([tokens], 8, "full", [video_attention_span(frames, height, width)])
+    assert factored < full / 10
+
+
+def test_save_load_round_trip(tmp_path, cost_model: CostModel) -> None:
+    calibrated = cost_model.calibrate(
+        lambda lengths, sp, policy: 1.3 * cost_model.time(lengths, sp, policy),
+        cost_model.calibration_points(8192, sp_sizes=(1, 2)),
+        progress=False,
+    )
+    path = tmp_path / "cost.json"
+    calibrated.save(path)
+    loaded = CostModel.load(path)
+    assert loaded.profile == calibrated.profile
+    assert loaded.hardware == calibrated.hardware
+    assert loaded.scales == calibrated.scales
+    for sp, policy in ((1, "none"), (4, "full"), (16, "attention")):
+        assert loaded.time([777, 4096], sp, policy) == calibrated.time([777, 4096], sp, policy)
+        assert loaded.peak_memory([4096], sp, policy) == calibrated.peak_memory([4096], sp, policy)
+    with pytest.raises(ValueError, match="not a dcp-compile cost model"):
+        (tmp_path / "other.json").write_text('{"profile": {}}')
+        CostModel.load(tmp_path / "other.json")
+
+
+def test_calibration_recovers_known_scales() -> None:
+    profile = ModelProfile.from_config("llama-3-8b")
+    initial = CostModel(profile, Hardware.H200, optimizer_shards=8)
+    true_scales = {"linear": 1.9, "attention": 2.6, "memory": 1.2, "communication": 3.1, "overhead": 0.7}
+    truth = CostModel(profile, Hardware.H200, scales=true_scales, optimizer_shards=8)
+    points = initial.calibration_points(16384, sp_sizes=(1, 2, 4, 16))
+
+    fitted = initial.calibrate(lambda l, s, r: truth.time(l, s, r), points, progress=False)
+    for term, value in true_scales.items():
+        assert fitted.scales[term] == pytest.approx(value, rel=1e-6), term
+    assert fitted.calibration.max_relative_error < 1e-9
+
+    # With 1% measurement noise the well-determined terms stay within a few percent and the
+    # predictions within the noise; the two fixed per-micro-batch terms (weight reads, launch
+    # overhead) are nearly collinear, so only their sum is pinned down.
+    rng = random.Random(0)
+    noisy = initial.calibrate(lambda l, s, r: truth.time(l, s, r) * (1 + rng.gauss(0, 0.01)), points, progress=False)
+    for term in ("linear", "attention", "communication"):
+        assert noisy.scales[term] == pytest.approx(true_scales[term], rel=0.05), term
+    for point in points:
+        assert noisy.time(point.lengths, point.sp_size, point.recompute) == pytest.approx(
+            truth.time(point.lengths, point.sp_size, point.recompute), rel=0.04
+        )
+
+
+def test_calibration_keeps_terms_it_cannot_see() -> None:
+    model = CostModel(ModelProfile.from_config("llama-3-8b"), Hardware.H200)
+    points = [CalibrationPoint((n,), 1, "none") for n in (256, 1024, 4096, 16384)]
+    fitted = model.calibrate(lambda l, s, r: 2 * model.time(l, s, r), points, progress=False)
+    assert "communication" in fitted.calibration.fixed_terms
+    assert fitted.scales["communication"] == model.scales["communication"]
+    with pytest.raises(ValueError, match="positive seconds"):
+        model.calibrate(lambda l, s, r: 0.0, points, progress=False)
+
+
+def test_presets_have_the_published_shapes() -> None:
+    video = ModelProfile.from_config("stdit3-xl/2")
+    assert video.num_layers == 56 and video.hidden_size == 1152 and video.num_heads == 16
+    assert 1.0e9 < video.parameter_bytes / 2 < 1.3e9  # ~1.1B parameters in bf16
+    llm = ModelProfile.from_config("llama-3-8b")
+    assert llm.num_kv_heads == 8 and llm.causal
+    assert 7.5e9 < llm.parameter_bytes / 2 < 8.5e9
+    hf_like = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "hidden_act": "silu"}
+    assert ModelProfile.from_config(hf_like).linear_flops_per_token == pytest.approx(llm.linear_flops_per_token)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        ModelProfile.from_config("gpt-17")
+
+
+class _TinyBlock(torch.nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = torch.nn.LayerNorm(width)
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(attended.transpose(1, 2).reshape(batch, length, -1))
+        return x + self.mlp(x)
+
+
+class _TinyLM(torch.nn.Module):
+    def __init__(self, vocab: int = 100, width: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(_TinyBlock(width, heads) for _ in range(layers))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_measure_counts_the_traced_model() -> None:
+    torch.manual_seed(0)
+    width, vocab, layers = 32, 100, 2
+    model = _TinyLM(vocab, width, 4, layers)
+    profile = ModelProfile.measure(model, lambda n: (torch.randint(0, vocab, (1, n)),), lengths=(16, 32, 64), causal=True)
+    per_block = 2 * (width * 3 * width + width * width + 2 * width * 4 * width)
+    assert profile.linear_flops_per_token == pytest.approx(layers * per_block + 2 * width * vocab, rel=1e-6)
+    assert profile.attention_flops_per_token_key == pytest.approx(layers * 4 * width / 2, rel=1e-6)
+    assert profile.num_attention_layers == layers and profile.num_heads == 4 and profile.hidden_size == width
+    # Saved activations: at least the block's own tensors, and no quadratic buffer.
+    assert 8 * width * 4 < profile.activation_bytes_per_token["none"] < 100 * width * 4
+    model_time = CostModel(profile, Hardware.this_cpu())
+    assert model_time.time([64], 1) < model_time.time([128], 1)
