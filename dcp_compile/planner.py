@@ -236,6 +236,14 @@ class Planner:
 
     def _no_fit_message(self, length: int) -> str:
         largest = self.sizes[-1]
+        static = self.cost_model.memory_coefficients(1, "full").fixed_bytes
+        if static >= self.memory_cap:
+            return (
+                f"the model state alone ({static / 1e9:.1f} GB of parameters, gradients, optimizer state and "
+                f"runtime reserve) exceeds the memory cap of {self.memory_cap / 1e9:.1f} GB, so no sequence fits; "
+                "shard the optimizer state (CostModel(optimizer_shards=world size) for ZeRO-1), or check the "
+                "cost model's hardware and memory_fraction"
+            )
         return (
             f"a sequence of {length:,} tokens fits on no SP group: the largest group ({largest} ranks) "
             f"holds at most {self.max_capacity[-1]:,} tokens under the memory cap of "
