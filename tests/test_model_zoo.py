@@ -15,10 +15,10 @@ import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
-try:
-    from tests.model_zoo import ZOO, ZooCase, dit_image_hw, eager_reference, output_tensors
-except ImportError:  # tests/ on sys.path instead of the repo root
+try:  # tests/conftest.py puts tests/ on sys.path; import by the same name as parity.py does
     from model_zoo import ZOO, ZooCase, dit_image_hw, eager_reference, output_tensors
+except ImportError:  # only the repo root on sys.path
+    from tests.model_zoo import ZOO, ZooCase, dit_image_hw, eager_reference, output_tensors
 
 EAGER_LENGTHS = (1, 3, 7, 16)
 # Two lengths for the compile check, chosen so that no size in any input equals another size of
