@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 _EPSILON = 1e-12
 _PACKING_SCAN = 4  # micro-batches of a block tried when adding a sequence
+_CONSOLIDATION_LIMIT = 16  # most micro-batches merged by one consolidation move
 
 
 class PlanningError(ValueError):
@@ -196,7 +197,7 @@ class Planner:
             state.place()
             # Large steps are already within a fraction of a percent after placement (many small
             # items balance well); the search budget goes to small steps, where it matters.
-            budget = min(self.config.local_search_evaluations, max(1_000, 2_000_000 // n))
+            budget = min(self.config.local_search_evaluations, max(200, 2_000_000 // n))
             state.local_search(budget)
             state.merge_micro_batches()
             if (
@@ -364,21 +365,18 @@ class _PlanState:
             groups.setdefault((self.lengths[i], self.keys[i]), []).append(i)
         if not groups:
             return
-        planner = self.planner
-        sizes, capacity, fixed = planner.sizes, planner.capacity, planner.fixed
+        sizes = self.planner.sizes
         group_list = list(groups.values())
-        group_options = []
-        for members in group_list:
-            i = members[0]
-            options = []
-            for j, p, t in self.options(i):
-                variable = t - fixed[j][p]
-                options.append((t, sizes[j] * (variable + fixed[j][p] * self.lengths[i] / capacity[j][p]), j))
-            group_options.append(options)
+        # A tall sequence runs alone in its micro-batch: it pays the whole fixed cost, so its work
+        # at a level is size x time (not the amortised figure used for short sequences).
+        group_options = [
+            [(t, sizes[j] * t, j) for j, _, t in self.options(members[0])] for members in group_list
+        ]
+        short_total = total - sum(work[i] for members in group_list for i in members)
         candidates = sorted({t for options in group_options for t, _, _ in options})
 
         def evaluate(target: float) -> tuple[float, float, list[int]]:
-            extra = 0.0
+            tall_total = 0.0
             longest = fixed_longest
             choice = []
             for members, options in zip(group_list, group_options):
@@ -387,10 +385,10 @@ class _PlanState:
                     w, t, j = min(within)
                 else:
                     t, w, j = min(options)
-                extra += len(members) * (w - work[members[0]])
+                tall_total += len(members) * w
                 longest = max(longest, t)
                 choice.append(j)
-            return (total + extra) / world, longest, choice
+            return (short_total + tall_total) / world, longest, choice
 
         low, high = 0, len(candidates) - 1
         while low < high:  # first target where the longest time reaches the average load
@@ -688,6 +686,11 @@ class _PlanState:
                     elif second < 0 or value < maxima[offset + second]:
                         second = k
                 least.append((offset + first, offset + second if second >= 0 else -1))
+            critical_blocks = [
+                planner.block_offset[level] + (critical >> level)
+                if (critical >> level) < planner.blocks_per_level[level] else -1
+                for level in range(planner.levels)
+            ]
             best_value = makespan - max(1e-9 * makespan, _EPSILON)
             best_move = None
             for src_level in range(planner.levels):
@@ -703,17 +706,28 @@ class _PlanState:
                         seen_lengths.add(signature)
                         removal, _ = self._removal(i)
                         for dst_level in self._neighbour_levels(i, src_level):
-                            dst_block, second = least[dst_level]
-                            if dst_block == src_block:
-                                dst_block = second
+                            # The least-loaded block of that size, and (for another size) the one
+                            # around or inside the busy rank: spreading a sequence over the busy
+                            # rank's neighbours often beats moving it far away.
+                            first, second = least[dst_level]
+                            targets = [second if first == src_block else first]
+                            if dst_level != src_level:
+                                around = critical_blocks[dst_level]
+                                if around >= 0 and around != targets[0]:
+                                    targets.append(around)
+                            for dst_block in targets:
                                 if dst_block < 0:
                                     continue
-                            insertion, _, _ = self._insertion(dst_block, dst_level, i)
-                            evaluations += 1
-                            value = self._affected_max(src_level, src_block, removal, dst_level, dst_block, insertion, maxima)
-                            if value < best_value:
-                                best_value = value
-                                best_move = (i, dst_level, dst_block)
+                                insertion, _, _ = self._insertion(dst_block, dst_level, i)
+                                evaluations += 1
+                                value = self._affected_max(src_level, src_block, removal, dst_level, dst_block, insertion, maxima)
+                                if value < best_value:
+                                    best_value = value
+                                    best_move = (i, dst_level, dst_block)
+            consolidation = self._best_consolidation(critical, best_value)
+            if consolidation is not None:
+                self._consolidate(*consolidation)
+                continue
             if best_move is not None:
                 i, dst_level, dst_block = best_move
                 self._remove(i)
@@ -739,6 +753,70 @@ class _PlanState:
             if max(self.loads[r] for r in affected) >= makespan - max(1e-9 * makespan, _EPSILON):
                 self._restore(saved, before)
                 break
+
+    def _subtree_micro_batches(self, level: int, k: int, limit: int | None = None) -> list[_MicroBatch] | None:
+        """Micro-batches on the block and every block inside it (None past ``limit`` of them)."""
+        planner = self.planner
+        found: list[_MicroBatch] = []
+        for down in range(level, -1, -1):
+            width = 1 << (level - down)
+            start = planner.block_offset[down] + k * width
+            for block in range(start, start + width):
+                found.extend(self.block_mbs[block])
+            if limit is not None and len(found) > limit:
+                return None
+        return found
+
+    def _best_consolidation(self, critical: int, threshold: float) -> tuple[int, int, float] | None:
+        """Pack everything under one of the busy rank's blocks into a single micro-batch on that
+        block, when that beats ``threshold``. The move that wins when fixed per-micro-batch costs
+        dominate: a few short sequences run faster together on 4 ranks than apart on 1 or 2."""
+        planner = self.planner
+        best = None
+        above = [0.0] * (planner.levels + 1)  # load from blocks strictly above each level
+        for level in range(planner.levels - 1, -1, -1):
+            k = critical >> level
+            if k >= planner.blocks_per_level[level]:
+                continue
+            above[level] = above[level + 1] + sum(mb.time for mb in self.block_mbs[planner.block_offset[level] + k])
+        for level in range(1, planner.levels):
+            k = critical >> level
+            if k >= planner.blocks_per_level[level]:
+                continue
+            mbs = self._subtree_micro_batches(level, k, limit=_CONSOLIDATION_LIMIT)
+            if mbs is None or len(mbs) < 2:
+                continue
+            tokens = sum(mb.tokens for mb in mbs)
+            if tokens > planner.max_capacity[level]:
+                continue
+            policy = planner._policy_for(level, tokens)
+            time = planner._time(level, policy, tokens, sum(mb.keys for mb in mbs))
+            value = above[level + 1] + time
+            if value < threshold:
+                threshold = value
+                best = (level, k, value)
+        return best
+
+    def _consolidate(self, level: int, k: int, _value: float) -> None:
+        planner = self.planner
+        mbs = self._subtree_micro_batches(level, k)
+        members = [i for mb in mbs for i in mb.members]
+        for mb in mbs:
+            self.block_mbs[mb.block].remove(mb)
+            for r in self._block_ranks(mb.level, mb.block):
+                self.loads[r] -= mb.time
+        block = planner.block_offset[level] + k
+        tokens = sum(self.lengths[i] for i in members)
+        keys = sum(self.keys[i] for i in members)
+        policy = planner._policy_for(level, tokens)
+        time = planner._time(level, policy, tokens, keys)
+        mb = _MicroBatch(level, block, policy, tokens, keys, time, members)
+        self.block_mbs[block].append(mb)
+        for i in members:
+            self.seq_mb[i] = mb
+            self.level[i] = level
+        for r in self._block_ranks(level, block):
+            self.loads[r] += time
 
     def _neighbour_levels(self, i: int, level: int) -> list[int]:
         """The sequence's own level and the nearest feasible levels above and below it."""
@@ -823,43 +901,50 @@ class _PlanState:
 
     # ------------------------------------------------------------------ polish
     def merge_micro_batches(self) -> None:
-        """Merge micro-batches of one block when the merged one is faster than the two."""
+        """Merge two micro-batches of one block when the merged one needs no slower recompute
+        policy: it then saves one fixed per-micro-batch cost and costs nothing else."""
         planner = self.planner
         for level in range(planner.levels):
             offset = planner.block_offset[level]
+            capacity = planner.capacity[level]
             for k in range(planner.blocks_per_level[level]):
                 block = offset + k
                 mbs = self.block_mbs[block]
                 if len(mbs) < 2:
                     continue
                 mbs.sort(key=lambda mb: mb.tokens)
-                max_capacity = planner.max_capacity[level]
-                merged = True
-                while merged and len(mbs) > 1:
-                    merged = False
-                    for a in range(len(mbs)):
-                        for b in range(a + 1, len(mbs)):
-                            first, second = mbs[a], mbs[b]
-                            tokens = first.tokens + second.tokens
-                            if tokens > max_capacity:
-                                break  # sorted by tokens: every later partner is larger
-                            policy = planner._policy_for(level, tokens)
-                            if policy < 0:
-                                continue
-                            time = planner._time(level, policy, tokens, first.keys + second.keys)
-                            delta = time - first.time - second.time
-                            if delta < -_EPSILON:
-                                second.members.extend(first.members)
-                                second.tokens, second.keys, second.time, second.policy = tokens, first.keys + second.keys, time, policy
-                                for i in first.members:
-                                    self.seq_mb[i] = second
-                                del mbs[a]
-                                for r in self._block_ranks(level, block):
-                                    self.loads[r] += delta
-                                merged = True
-                                break
-                        if merged:
+                a = 0
+                while a < len(mbs) - 1:
+                    first = mbs[a]
+                    merge = None
+                    for b in range(a + 1, len(mbs)):
+                        second = mbs[b]
+                        policy = first.policy if first.policy > second.policy else second.policy
+                        tokens = first.tokens + second.tokens
+                        if tokens > capacity[policy]:
+                            continue
+                        policy = planner._policy_for(level, tokens)
+                        time = planner._time(level, policy, tokens, first.keys + second.keys)
+                        # a slower policy for one side's tokens can cost more than the fixed cost saved
+                        if time < first.time + second.time - _EPSILON:
+                            merge = (b, policy, time)
                             break
+                    if merge is None:
+                        a += 1
+                        continue
+                    b, policy, time = merge
+                    second = mbs[b]
+                    delta = time - first.time - second.time
+                    second.members.extend(first.members)
+                    second.tokens += first.tokens
+                    second.keys += first.keys
+                    second.time, second.policy = time, policy
+                    for i in first.members:
+                        self.seq_mb[i] = second
+                    del mbs[a]
+                    mbs.sort(key=lambda mb: mb.tokens)
+                    for r in self._block_ranks(level, block):
+                        self.loads[r] += delta
 
     # ------------------------------------------------------------------ (d) exact search
     def exact_search(self, node_budget: int) -> None:
