@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 # Scheduler output
 # ---------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class ScheduledMicroBatch:
     """One micro-batch of a schedule: ``positions`` index the step's sequence list."""
 

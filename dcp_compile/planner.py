@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 _EPSILON = 1e-12
 _PACKING_SCAN = 4  # micro-batches of a block tried when adding a sequence
 _CONSOLIDATION_LIMIT = 16  # most micro-batches merged by one consolidation move
+_BIG_ITEM_FRACTION = 64  # sequences above average load / this are placed first, across levels
 
 
 class PlanningError(ValueError):
@@ -144,6 +145,15 @@ class Planner:
                     capacity = min(capacity, self.config.max_tokens_per_rank * size)
                 self.capacity[j][p] = capacity
         self.max_capacity = [max(row) for row in self.capacity]
+        # Per policy, the running maximum of the capacity over levels: the first level that holds a
+        # length under a policy is the first where this monotone reach covers it (bisect).
+        self.capacity_reach = []
+        for p in range(policies):
+            reach, running = [], 0
+            for j in range(len(sizes)):
+                running = max(running, self.capacity[j][p])
+                reach.append(running)
+            self.capacity_reach.append(reach)
         # Is "SP 1, no recompute" the least work for every sequence that fits it? (True for any
         # sane model; checked so that the fast path stays correct for odd cost models.)
         # Is "SP 1, no recompute" the least work for every sequence that fits it? It is when every
@@ -269,6 +279,7 @@ class _PlanState:
         self.seq_mb: list[_MicroBatch | None] = [None] * self.n
         self._options_cache: dict[tuple[int, float], list[tuple[int, int, float]]] = {}
         self.alone_time: list[float] = []
+        self.average_load = 0.0
         self._neighbour_cache: dict[tuple[int, float, int], list[int]] = {}
 
     # ------------------------------------------------------------------ (a) SP sizes
@@ -296,11 +307,9 @@ class _PlanState:
         planner = self.planner
         capacity = planner.capacity
         best = None
-        for p in range(len(RECOMPUTE_POLICIES)):
-            for j in range(planner.levels):
-                if length <= capacity[j][p]:
-                    break
-            else:
+        for p, reach in enumerate(planner.capacity_reach):
+            j = bisect_left(reach, length)  # the first level whose capacity under p holds it
+            if j == planner.levels:
                 continue
             if planner._policy_for(j, length) != p:
                 continue
@@ -336,6 +345,7 @@ class _PlanState:
                 choice = cache[(length, key)] = self._least_work_choice(length, key)
             level[i], work[i], times[i] = choice
         self.alone_time = times
+        self.average_load = sum(work) / self.world
         self._choose_tall_levels(work, times)
 
     def _choose_tall_levels(self, work: list[float], times: list[float]) -> None:
@@ -497,23 +507,49 @@ class _PlanState:
     def place(self) -> None:
         """Longest-processing-time placement with first-fit packing inside a block.
 
-        Phase 1 takes the sequences in decreasing time, whatever their level, down to the last one
-        that needs more than one rank; each goes to the block of its size with the least maximum
-        rank load (block maxima are kept in a tree, one lazy heap per level). Phase 2 places the
-        remaining single-rank sequences on the least-loaded rank from one heap over ranks. Placing
-        tall single-rank sequences before the multi-rank ones matters: a rank that already runs an
-        11 s video must not also be loaded by every large block it belongs to.
+        Phase 1 takes the big sequences (alone longer than 1/64 of the average rank load) in
+        decreasing time, whatever their level; each goes to the block of its size with the least
+        maximum rank load (block maxima kept in a tree, one lazy heap per level). Placing tall
+        single-rank sequences before multi-rank ones matters: a rank that already runs an 11 s video
+        must not also be loaded by every large block it belongs to. Phase 2 places the rest level by
+        level, largest blocks first, each level from one heap over its blocks (adding to a block
+        raises all its ranks alike, so its maximum stays exact); small items then only fill gaps.
         """
         planner = self.planner
         times = self.alone_time
         order = sorted(range(self.n), key=times.__getitem__, reverse=True)  # stable: ties by index
-        last_multi = -1
-        for position, i in enumerate(order):
-            if self.level[i] > 0:
-                last_multi = position
-        if last_multi >= 0:
-            self._place_by_block_maxima(order[: last_multi + 1])
-        self._place_single_rank(order[last_multi + 1 :])
+        threshold = self.average_load / _BIG_ITEM_FRACTION
+        split = 0
+        while split < self.n and times[order[split]] >= threshold:
+            split += 1
+        if split:
+            self._place_by_block_maxima(order[:split])
+        by_level: list[list[int]] = [[] for _ in planner.sizes]
+        for i in order[split:]:
+            by_level[self.level[i]].append(i)
+        for level in range(planner.levels - 1, 0, -1):
+            if by_level[level]:
+                self._place_on_level(level, by_level[level])
+        self._place_single_rank(by_level[0])
+
+    def _place_on_level(self, level: int, items: list[int]) -> None:
+        planner = self.planner
+        size = planner.sizes[level]
+        offset = planner.block_offset[level]
+        loads = self.loads
+        heap = [(max(loads[k * size : (k + 1) * size]), k) for k in range(planner.blocks_per_level[level])]
+        heapq.heapify(heap)
+        added = [0.0] * len(heap)
+        for i in items:
+            load, k = heap[0]
+            delta, mb, policy = self._insertion(offset + k, level, i)
+            self._add(i, level, offset + k, mb, policy, delta, update_loads=False)
+            added[k] += delta
+            heapq.heapreplace(heap, (load + delta, k))
+        for k, delta in enumerate(added):
+            if delta:
+                for r in range(k * size, (k + 1) * size):
+                    loads[r] += delta
 
     def _place_by_block_maxima(self, items: list[int]) -> None:
         planner = self.planner
@@ -913,6 +949,9 @@ class _PlanState:
                 if len(mbs) < 2:
                     continue
                 mbs.sort(key=lambda mb: mb.tokens)
+                # A merge never needs a policy slower than the slowest one already used here.
+                slowest = max(mb.policy for mb in mbs)
+                bound = max(capacity[: slowest + 1])
                 a = 0
                 while a < len(mbs) - 1:
                     first = mbs[a]
@@ -921,6 +960,8 @@ class _PlanState:
                         second = mbs[b]
                         policy = first.policy if first.policy > second.policy else second.policy
                         tokens = first.tokens + second.tokens
+                        if tokens > bound:
+                            break  # sorted by tokens: every later partner is larger
                         if tokens > capacity[policy]:
                             continue
                         policy = planner._policy_for(level, tokens)
