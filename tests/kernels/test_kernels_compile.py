@@ -40,13 +40,13 @@ def run_with_grads(fn, *inputs):
     return out.detach(), [t.grad for t in leaves if differentiable(t)]
 
 
-def test_layout_ops_compile_dynamic_same_as_eager() -> None:
+def test_layout_ops_compile_dynamic_same_as_eager(device) -> None:
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(ulysses_round_trip, backend=counter, dynamic=True, fullgraph=True)
-    index = torch.tensor([0, 2, 1, -1])
+    index = torch.tensor([0, 2, 1, -1], device=device)
     for seq in (6, 9):
-        x = torch.randn(2, 3, seq, 4)
-        w = torch.randn(2, seq, 2, 2, 4)
+        x = torch.randn(2, 3, seq, 4, device=device)
+        w = torch.randn(2, seq, 2, 2, 4, device=device)
         want, want_grads = run_with_grads(ulysses_round_trip, x, index, w)
         got, got_grads = run_with_grads(compiled, x, index, w)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -56,13 +56,13 @@ def test_layout_ops_compile_dynamic_same_as_eager() -> None:
     assert counter.op_count > 0
 
 
-def test_varlen_attention_compile_dynamic_same_as_eager() -> None:
+def test_varlen_attention_compile_dynamic_same_as_eager(device) -> None:
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(packed_attention, backend=counter, dynamic=True, fullgraph=True)
     for lengths in ([3, 9, 1, 6], [12, 5]):  # sizes chosen to avoid duck-sizing coincidences
         total = sum(lengths)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        q, k, v = torch.randn(total, 4, 16), torch.randn(total, 2, 16), torch.randn(total, 2, 16)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        q, k, v = (torch.randn(total, h, 16, device=device) for h in (4, 2, 2))
         want, want_grads = run_with_grads(packed_attention, q, k, v, cu, max(lengths))
         got, got_grads = run_with_grads(compiled, q, k, v, cu, max(lengths))
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

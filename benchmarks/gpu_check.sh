@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# GPU check of the dcp kernels: the kernel tests on CUDA, then the kernel benchmark.
+#
+# Usage (from anywhere):  bash benchmarks/gpu_check.sh
+# Results go to $OUT when set (e.g. a device runner's output folder), else benchmarks/results/:
+#   kernels_nvidia_smi.txt, kernels_tests.log, kernels_tests.xml (junit),
+#   kernels_bench.log, kernels_<gpu>.csv, kernels_<gpu>.png
+#
+# Knobs (environment):
+#   GPU_CHECK_TESTS   cuda (default: only the CUDA-parametrized tests, a few minutes of device time)
+#                     | all (also the CPU/interpreter cases) | none
+#   GPU_CHECK_BENCH   quick (default) | full | none
+#   GPU_CHECK_TIMEOUT seconds per step (default 420)
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-benchmarks/results}"
+TESTS="${GPU_CHECK_TESTS:-cuda}"
+BENCH="${GPU_CHECK_BENCH:-quick}"
+STEP_TIMEOUT="${GPU_CHECK_TIMEOUT:-420}"
+mkdir -p "$OUT_DIR"
+
+{ nvidia-smi || echo "nvidia-smi unavailable"; } > "$OUT_DIR/kernels_nvidia_smi.txt" 2>&1
+python - <<'PY' | tee -a "$OUT_DIR/kernels_nvidia_smi.txt"
+import torch, triton
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
+print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE")
+PY
+
+# The package must be importable as dcp_compile.kernels (editable install, no dependency changes).
+python -c "import dcp_compile.kernels" 2>/dev/null || pip install -e . --no-deps -q
+
+status=0
+# The tests must compile real kernels for CUDA tensors: never interpret here.
+unset TRITON_INTERPRET DCP_KERNELS
+
+if [ "$TESTS" = "cuda" ] && ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  echo "no CUDA device visible: running every kernel test (CPU, interpreted) instead of the CUDA ones"
+  TESTS=all
+fi
+case "$TESTS" in
+  none) ;;
+  all)  selection=() ;;
+  *)    selection=(-k "cuda") ;;
+esac
+if [ "$TESTS" != "none" ]; then
+  echo "== kernel tests ($TESTS)"
+  timeout "$STEP_TIMEOUT" python -m pytest tests/kernels -q -rs -p no:cacheprovider "${selection[@]}" \
+      --junitxml "$OUT_DIR/kernels_tests.xml" 2>&1 | tee "$OUT_DIR/kernels_tests.log"
+  test_rc=${PIPESTATUS[0]}
+  echo "kernel tests exit code: $test_rc"
+  [ "$test_rc" -eq 0 ] || status=1
+fi
+
+if [ "$BENCH" != "none" ]; then
+  bench_args=(--out-dir "$OUT_DIR")
+  [ "$BENCH" = "quick" ] && bench_args+=(--quick)
+  echo "== kernel benchmark ($BENCH)"
+  timeout "$STEP_TIMEOUT" python benchmarks/kernels.py "${bench_args[@]}" 2>&1 | tee "$OUT_DIR/kernels_bench.log"
+  bench_rc=${PIPESTATUS[0]}
+  echo "kernel benchmark exit code: $bench_rc"
+  [ "$bench_rc" -eq 0 ] || status=1
+fi
+
+exit "$status"
