@@ -4,8 +4,9 @@ Faithful to the reference implementation (VideoSys ``videosys/training/datasets/
 and ``videosys/core/dcp/profiler.py``, late 2024; see ``/work/shared/reference/published-dcp.md``):
 
 * :class:`StaticSPScheduler`: one SP size and one recompute policy for everything (the smallest SP
-  that holds the longest sample, every block checkpointed), a fixed batch size, samples dealt to
-  groups in order like ``DistributedSampler``, gradient accumulation, one sync per step.
+  that holds the longest sample, every block checkpointed), one micro-batch token budget (what fits
+  the longest sample), samples dealt to groups in order like ``DistributedSampler`` and packed in
+  arrival order up to the budget, gradient accumulation, one sync per step.
 * :class:`BucketParallelScheduler`: Open-Sora's bucket sampler: one SP size for all, per-bucket
   batch sizes from a profile (largest power-of-two batch under 70% of memory) rescaled toward the
   median bucket time; each round every group runs one micro-batch of one bucket.
@@ -200,17 +201,29 @@ class _BaselineScheduler:
 
 # ---------------------------------------------------------------------------------------------
 class StaticSPScheduler(_BaselineScheduler):
-    """One SP size, one policy, one batch size for every sample of the dataset."""
+    """One SP size, one policy and one micro-batch budget for every sample of the dataset.
+
+    The budget is what fits the longest sample: ``batch_size`` samples of ``max_length`` tokens.
+    With ``packing=True`` (the default, and the stronger baseline: the usual practice for text with
+    varlen attention) each group packs its samples, in arrival order, into micro-batches of up to
+    ``batch_size * max_length`` tokens; with ``packing=False`` a micro-batch holds ``batch_size``
+    samples whatever their lengths.
+    """
 
     name = "static-sp"
 
-    def __init__(self, cost_model: CostModel, world_size: int, max_length: int, *, sp_size: int | None = None, **kwargs) -> None:
+    def __init__(
+        self, cost_model: CostModel, world_size: int, max_length: int, *, sp_size: int | None = None,
+        packing: bool = True, **kwargs,
+    ) -> None:
         super().__init__(cost_model, world_size, **kwargs)
         self.sp_size = sp_size or self.smallest_sp(max_length)
         batch = 1
         while self.fits([max_length] * (batch * 2), self.sp_size) and batch < _MAX_PROFILE_BATCH:
             batch *= 2
         self.batch_size = batch
+        self.token_budget = batch * max_length
+        self.packing = packing
 
     def schedule(self, lengths: Sequence[int], spans: Sequence[float] | None = None) -> Schedule:
         spans = self._spans(lengths, spans)
@@ -220,10 +233,20 @@ class StaticSPScheduler(_BaselineScheduler):
             dealt[position % groups].append(position)
         microbatches = []
         for group, positions in enumerate(dealt):
-            for start in range(0, len(positions), self.batch_size):
-                microbatches.append(
-                    self.microbatch(positions[start : start + self.batch_size], lengths, spans, self.sp_size, group * self.sp_size)
-                )
+            batches: list[list[int]] = []
+            if self.packing:
+                tokens = 0
+                for position in positions:
+                    if batches and tokens + lengths[position] <= self.token_budget:
+                        batches[-1].append(position)
+                        tokens += lengths[position]
+                    else:
+                        batches.append([position])
+                        tokens = lengths[position]
+            else:
+                batches = [positions[start : start + self.batch_size] for start in range(0, len(positions), self.batch_size)]
+            for batch in batches:
+                microbatches.append(self.microbatch(batch, lengths, spans, self.sp_size, group * self.sp_size))
         return Schedule(self.world_size, microbatches, scheduler=self.name)
 
 

@@ -301,22 +301,29 @@ class _PlanState:
     def _least_work_choice(self, length: int, key: float) -> tuple[int, float, float]:
         """(level, amortised rank-seconds, time alone) of the least-work level for one sequence.
 
-        At a fixed policy, work grows with the SP size (more communication), so only the smallest
-        level at which each policy fits (and is the fastest fitting one) is a candidate.
+        At a fixed policy, work grows with the SP size (more communication), so the only candidate
+        levels are, per policy, the first level whose capacity under that policy holds the sequence
+        (where it then runs the fastest policy that fits).
         """
         planner = self.planner
-        capacity = planner.capacity
+        capacity, sizes = planner.capacity, planner.sizes
+        fixed, per_token, per_key = planner.fixed, planner.per_token, planner.per_key
+        levels = planner.levels
         best = None
-        for p, reach in enumerate(planner.capacity_reach):
-            j = bisect_left(reach, length)  # the first level whose capacity under p holds it
-            if j == planner.levels:
+        seen = -1
+        for reach in planner.capacity_reach:
+            j = bisect_left(reach, length)
+            if j == levels or j == seen:
                 continue
-            if planner._policy_for(j, length) != p:
-                continue
-            variable = planner.per_token[j][p] * length + planner.per_key[j][p] * key
-            work = planner.sizes[j] * (variable + planner.fixed[j][p] * length / capacity[j][p])
+            seen = j
+            row = capacity[j]
+            q = 0
+            while length > row[q]:
+                q += 1
+            variable = per_token[j][q] * length + per_key[j][q] * key
+            work = sizes[j] * (variable + fixed[j][q] * length / row[q])
             if best is None or work < best[1]:
-                best = (j, work, planner.fixed[j][p] + variable)
+                best = (j, work, fixed[j][q] + variable)
         if best is None:
             raise PlanningError(planner._no_fit_message(length))
         return best
@@ -527,25 +534,87 @@ class _PlanState:
         by_level: list[list[int]] = [[] for _ in planner.sizes]
         for i in order[split:]:
             by_level[self.level[i]].append(i)
-        for level in range(planner.levels - 1, 0, -1):
-            if by_level[level]:
-                self._place_on_level(level, by_level[level])
-        self._place_single_rank(by_level[0])
+        for level in range(planner.levels - 1, -1, -1):
+            self._place_on_level(level, by_level[level])
 
     def _place_on_level(self, level: int, items: list[int]) -> None:
+        """LPT of ``items`` over the blocks of one level from a heap of block maxima (adding to a
+        block raises all its ranks alike, so its maximum stays exact), with next-fit packing into
+        the block's newest micro-batch and first fit over a few recent ones."""
+        if not items:
+            return
         planner = self.planner
         size = planner.sizes[level]
         offset = planner.block_offset[level]
+        lengths, keys = self.lengths, self.keys
+        capacity = planner.capacity[level]
+        max_capacity = planner.max_capacity[level]
+        fixed, per_token, per_key = planner.fixed[level], planner.per_token[level], planner.per_key[level]
+        policy_count = len(capacity)
+        block_mbs = self.block_mbs
+        seq_mb = self.seq_mb
+        level_of = self.level
         loads = self.loads
-        heap = [(max(loads[k * size : (k + 1) * size]), k) for k in range(planner.blocks_per_level[level])]
+        count = planner.blocks_per_level[level]
+        if size == 1:
+            heap = [(loads[k], k) for k in range(count)]
+        else:
+            heap = [(max(loads[k * size : (k + 1) * size]), k) for k in range(count)]
         heapq.heapify(heap)
-        added = [0.0] * len(heap)
+        added = [0.0] * count
+        heapreplace = heapq.heapreplace
         for i in items:
             load, k = heap[0]
-            delta, mb, policy = self._insertion(offset + k, level, i)
-            self._add(i, level, offset + k, mb, policy, delta, update_loads=False)
-            added[k] += delta
-            heapq.heapreplace(heap, (load + delta, k))
+            block = offset + k
+            length = lengths[i]
+            key = keys[i]
+            mbs = block_mbs[block]
+            level_of[i] = level
+            if mbs:
+                # Common case: it fits the block's newest micro-batch without a slower policy.
+                mb = mbs[-1]
+                q = mb.policy
+                if mb.tokens + length <= capacity[q]:
+                    delta = per_token[q] * length + per_key[q] * key
+                    mb.tokens += length
+                    mb.keys += key
+                    mb.time += delta
+                    mb.members.append(i)
+                    seq_mb[i] = mb
+                    added[k] += delta
+                    heapreplace(heap, (load + delta, k))
+                    continue
+            # else first fit over the block's most recent micro-batches, or a new one
+            p = 0
+            while length > capacity[p]:
+                p += 1
+            best_delta = fixed[p] + per_token[p] * length + per_key[p] * key
+            best_mb = None
+            best_policy = p
+            for mb in (mbs if len(mbs) <= _PACKING_SCAN else mbs[-_PACKING_SCAN:]):
+                tokens = mb.tokens + length
+                if tokens > max_capacity:
+                    continue
+                q = mb.policy
+                while q < policy_count and tokens > capacity[q]:
+                    q += 1
+                if q == policy_count:
+                    continue
+                delta = fixed[q] + per_token[q] * tokens + per_key[q] * (mb.keys + key) - mb.time
+                if delta < best_delta - _EPSILON:
+                    best_delta, best_mb, best_policy = delta, mb, q
+            if best_mb is None:
+                best_mb = _MicroBatch(level, block, best_policy, length, key, best_delta, [i])
+                mbs.append(best_mb)
+            else:
+                best_mb.tokens += length
+                best_mb.keys += key
+                best_mb.policy = best_policy
+                best_mb.time += best_delta
+                best_mb.members.append(i)
+            seq_mb[i] = best_mb
+            added[k] += best_delta
+            heapreplace(heap, (load + best_delta, k))
         for k, delta in enumerate(added):
             if delta:
                 for r in range(k * size, (k + 1) * size):
@@ -599,72 +668,6 @@ class _PlanState:
                     break
                 maxima[node] = value
                 heappush(heaps[up], (value, kk))
-
-    def _place_single_rank(self, items: list[int]) -> None:
-        if not items:
-            return
-        planner = self.planner
-        lengths, keys = self.lengths, self.keys
-        capacity = planner.capacity[0]
-        max_capacity = planner.max_capacity[0]
-        fixed, per_token, per_key = planner.fixed[0], planner.per_token[0], planner.per_key[0]
-        policy_count = len(capacity)
-        block_mbs = self.block_mbs
-        seq_mb = self.seq_mb
-        loads = self.loads
-        heap = [(loads[r], r) for r in range(self.world)]
-        heapq.heapify(heap)
-        heapreplace = heapq.heapreplace
-        for i in items:
-            load, r = heap[0]
-            length = lengths[i]
-            key = keys[i]
-            mbs = block_mbs[r]
-            if mbs:
-                # Common case: it fits the rank's newest micro-batch without a slower policy.
-                mb = mbs[-1]
-                q = mb.policy
-                if mb.tokens + length <= capacity[q]:
-                    delta = per_token[q] * length + per_key[q] * key
-                    mb.tokens += length
-                    mb.keys += key
-                    mb.time += delta
-                    mb.members.append(i)
-                    seq_mb[i] = mb
-                    loads[r] = load + delta
-                    heapreplace(heap, (load + delta, r))
-                    continue
-            # else first fit over the rank's most recent micro-batches, or a new one
-            p = 0
-            while length > capacity[p]:
-                p += 1
-            best_delta = fixed[p] + per_token[p] * length + per_key[p] * key
-            best_mb = None
-            best_policy = p
-            for mb in (mbs if len(mbs) <= _PACKING_SCAN else mbs[-_PACKING_SCAN:]):
-                tokens = mb.tokens + length
-                if tokens > max_capacity:
-                    continue
-                q = mb.policy
-                while q < policy_count and tokens > capacity[q]:
-                    q += 1
-                if q == policy_count:
-                    continue
-                delta = fixed[q] + per_token[q] * tokens + per_key[q] * (mb.keys + key) - mb.time
-                if delta < best_delta - _EPSILON:
-                    best_delta, best_mb, best_policy = delta, mb, q
-            if best_mb is None:
-                best_mb = _MicroBatch(0, r, best_policy, length, key, best_delta, [i])
-                mbs.append(best_mb)
-            else:
-                best_mb.tokens += length
-                best_mb.keys += key
-                best_mb.policy = best_policy
-                best_mb.time += best_delta
-                best_mb.members.append(i)
-            seq_mb[i] = best_mb
-            loads[r] = load + best_delta
-            heapreplace(heap, (load + best_delta, r))
 
     # ------------------------------------------------------------------ (c) local search
     def _block_maxima(self) -> list[float]:
@@ -1127,7 +1130,7 @@ class _PlanState:
                 for mb in self.block_mbs[offset + k]:
                     microbatches.append(
                         ScheduledMicroBatch(
-                            positions=sorted(mb.members),
+                            positions=mb.members,
                             sp_size=size,
                             first_rank=k * size,
                             recompute=RECOMPUTE_POLICIES[mb.policy],

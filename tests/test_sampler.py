@@ -198,7 +198,7 @@ def test_resume_reproduces_losses_bitwise() -> None:
 # --------------------------------------------------------------------------- rank consistency
 def _plan_with_seed_per_rank(rank: int, world_size: int) -> str:
     sampler = DataCentricSampler(
-        dataset_lengths(60), tokens_per_step=100_000, cost_model=COST_MODEL,
+        dataset_lengths(60), tokens_per_step=20_000, cost_model=COST_MODEL,
         seed=0 if rank == 0 else 1, verify_plan=True,
     )
     try:
