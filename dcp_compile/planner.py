@@ -20,17 +20,29 @@ How this differs from the published DCP schedulers, and why:
 3. **Recompute per micro-batch from the cost model**, the fastest policy that fits, instead of a
    per-bucket knapsack computed offline; the cap is 90% of memory, not 65-70%, because the plan is
    computed from exact token counts rather than from a profile that must leave room for error.
-4. **A deterministic optimiser instead of random draws with magic penalties**: (a) each sequence
-   takes the SP size of least rank-seconds unless it alone would be longer than the step: a
-   scan over target makespans picks the sizes of the tall sequences; (b) longest-processing-time
-   placement level by level (largest blocks first) with first-fit packing; (c) a local search
-   that moves or swaps sequences off the busiest rank, to a block of the same size or one level
-   up or down, while the makespan drops; (d) on small steps (few sequences and ranks), a bounded
-   branch-and-bound that proves or improves the result. Everything depends only on the inputs, so
-   every rank derives the same plan with no communication.
+4. **A deterministic optimiser instead of random draws with magic penalties**:
+   (a) each sequence takes the SP size of least rank-seconds (the first size that holds it under
+   each recompute policy is the only candidate for that policy), unless it alone would outlast
+   the step: a binary search over target makespans then picks the sizes of these tall sequences,
+   charging each its whole fixed cost; (b) longest-processing-time placement with first-fit
+   packing: the big sequences first, across sizes, each on the block of its size with the least
+   maximum rank load (a tree of block maxima with one lazy heap per level), then the rest level
+   by level from a heap of block maxima; (c) a local search on the busiest rank: move a sequence to
+   the least-loaded block of its size or of the next feasible size up or down, or to the block
+   around the busy rank; swap it with a shorter one; or consolidate everything under one of the
+   busy rank's blocks into a single micro-batch on that block (the move that wins when fixed
+   costs dominate), while the makespan drops; (d) a merge pass that fuses micro-batches of a
+   block when that saves a fixed cost; (e) on small steps (at most 8 sequences and 8 ranks) a
+   bounded branch-and-bound that proves or improves the result. Everything depends only on the
+   inputs (no time limits, no unseeded randomness), so every rank derives the same plan.
 
-It is pure Python with precomputed per-(size, policy) coefficient tables; 4096 sequences on 64
-ranks plan in well under 50 ms (see ``benchmarks/planner.py``).
+Measured (``tests/test_planner.py``, ``benchmarks/planner.py``): optimal on small steps (with
+(e)); without (e), within 2% of the exhaustive optimum on average and 15% at worst on random
+4-rank steps of up to 6 sequences; within 1-2% of a lower bound on 4096-sequence steps, in 15-50 ms
+of pure Python on a shared 2-core machine (about half that on an idle modern core).
+
+Assumption: peak memory depends only on a micro-batch's token count (flash/varlen attention), so
+"fits" is a token capacity per (SP size, policy), computed once from the cost model.
 """
 
 from __future__ import annotations
