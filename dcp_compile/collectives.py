@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from dcp_compile.sequence_chunks import chunk_lengths, chunk_start, max_chunk_length
+from dcp_compile.sequence_chunks import chunk_lengths, chunk_start
 
 functional = torch.ops._c10d_functional
 
@@ -39,18 +39,15 @@ def all_reduce_sum(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
 def gather_sequence(local: torch.Tensor, dim: int, full_length, sp_size: int, group_name: str) -> torch.Tensor:
     """All-gather the chunks of a sequence dimension into the full, ordered sequence.
 
-    Chunks may differ in length by one (or be empty), and ``all_gather_into_tensor`` needs equal
-    pieces: each rank pads its chunk to the longest one, gathers, and keeps the valid rows of each
-    piece. The autograd adjoint (reduce-scatter, then the padding's slice) is exact.
+    Written as one all-to-all in which every rank sends its chunk to every rank: uneven and
+    empty chunks need no padding (padding to the longest chunk would make the graph's shapes
+    depend on whether the length divides by P, and so add a guard and a recompile per residue).
+    The adjoint (the reverse all-to-all, summed over the P copies) is the exact reduce-scatter.
     """
-    longest = max_chunk_length(full_length, sp_size)
     moved = local.movedim(dim, 0)
-    padding = longest - moved.shape[0]
-    padded = torch.cat([moved, moved.new_zeros((padding, *moved.shape[1:]))], dim=0)
-    gathered = _wait(functional.all_gather_into_tensor(padded.contiguous(), sp_size, group_name))
-    pieces = gathered.view(sp_size, longest, *moved.shape[1:])
-    lengths = chunk_lengths(full_length, sp_size)
-    full = torch.cat([pieces[rank, : lengths[rank]] for rank in range(sp_size)], dim=0)
+    local_length = moved.shape[0]
+    send = moved.unsqueeze(0).expand(sp_size, *moved.shape).reshape(sp_size * local_length, *moved.shape[1:])
+    full = all_to_all(send, chunk_lengths(full_length, sp_size), [local_length] * sp_size, group_name)
     return full.movedim(0, dim)
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+from torch.fx.experimental import _config as fx_config
 from torch._guards import TracingContext, detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -100,7 +101,9 @@ def retrace(function: Callable[..., Any], fake_inputs: Sequence[Any], fake_mode:
     ``preserve_node_meta`` lets the ``recompute`` tags and stack traces of the interpreted graph's
     nodes follow into the ops they turn into.
     """
-    with fake_mode, fx_traceback.preserve_node_meta():
+    # Chunk lengths are expressions like (s0 + 1) // 2: treat them size-obliviously, so that a
+    # contiguity or broadcast check does not specialize the graph on a chunk of length 1.
+    with fake_mode, fx_traceback.preserve_node_meta(), fx_config.patch(backed_size_oblivious=True):
         return make_fx(function, pre_dispatch=True, record_module_stack=False)(*fake_inputs)
 
 

@@ -1,0 +1,33 @@
+"""``python -m dcp_compile demo`` (the project's main job) and ``python -m dcp_compile bench kernels``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dcp_compile", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="train a small GPT on variable-length data with backend='dcp'")
+    demo.add_argument("--world-size", type=int, default=2, help="local gloo processes to spawn (ignored under torchrun)")
+    demo.add_argument("--steps", type=int, default=6)
+    demo.add_argument("--inner", default="aot_eager", choices=["inductor", "aot_eager", "eager"])
+    demo.add_argument("--seed", type=int, default=0)
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench.add_argument("what", choices=["kernels"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from dcp_compile.demo import run_demo
+
+        return run_demo(world_size=args.world_size, steps=args.steps, inner=args.inner, seed=args.seed)
+    if args.command == "bench":
+        from dcp_compile.kernels.benchmark import main as kernels_main
+
+        return kernels_main(args.rest) or 0
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
