@@ -69,7 +69,7 @@ def _fwd_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     D, GROUP,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     hq = tl.program_id(1)
@@ -85,7 +85,10 @@ def _fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < length
-    d_ok = offs_d < D
+    if EVEN_D:
+        d_ok = offs_d < BLOCK_D  # constant-folds: no feature-dim masking
+    else:
+        d_ok = offs_d < D
 
     q_ptrs = Q + (start + offs_m[:, None]) * stride_qt + hq * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -154,7 +157,7 @@ def _bwd_dkdv_kernel(
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     D, GROUP,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
@@ -169,7 +172,10 @@ def _bwd_dkdv_kernel(
     offs_m_base = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     col_ok = offs_n < length
-    d_ok = offs_d < D
+    if EVEN_D:
+        d_ok = offs_d < BLOCK_D  # constant-folds: no feature-dim masking
+    else:
+        d_ok = offs_d < D
     kv_mask = col_ok[:, None] & d_ok[None, :]
     k = tl.load(K + (start + offs_n[:, None]) * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + (start + offs_n[:, None]) * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -213,7 +219,7 @@ def _bwd_dq_kernel(
     stride_dot, stride_doh, stride_lh, stride_dqt, stride_dqh,
     D, GROUP,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     hq = tl.program_id(1)
@@ -229,7 +235,10 @@ def _bwd_dq_kernel(
     offs_n_base = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < length
-    d_ok = offs_d < D
+    if EVEN_D:
+        d_ok = offs_d < BLOCK_D
+    else:
+        d_ok = offs_d < D
     q_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + (start + offs_m[:, None]) * stride_qt + hq * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
     do = tl.load(DO + (start + offs_m[:, None]) * stride_dot + hq * stride_doh + offs_d[None, :], mask=q_mask, other=0.0)
@@ -273,24 +282,35 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def forward_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> TileConfig:
-    """Heuristic tiles (not autotuned: shapes change every micro-batch, and a tuning pass per
-    shape would cost more than it saves). fp32 halves the tiles to stay inside shared memory."""
-    if use_interpreter(device):
+def forward_config(head_dim: int, dtype: torch.dtype, interpreted: bool) -> TileConfig:
+    """Heuristic tiles, not autotuned (shapes change every micro-batch; a tuning pass per shape
+    would cost more than it saves). Chosen from sm_90 register/shared-memory reports of an
+    ahead-of-time compile: the 16-bit tiles do not spill at D <= 64 and spill < 64 B at D = 128.
+    fp32 (exact ``ieee`` products on CUDA cores) uses small tiles; it is the parity path, not the
+    fast one."""
+    if interpreted:
         return TileConfig(32, 32, 1, 1)  # the interpreter pays per program: few, large-ish tiles
     if dtype == torch.float32:
         return TileConfig(64, 32, 4, 2)
     if _block_d(head_dim) <= 64:
-        return TileConfig(128, 64, 4, 3)
+        return TileConfig(128, 128, 8, 3)
     return TileConfig(128, 64, 8, 3)
 
 
-def backward_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> TileConfig:
-    if use_interpreter(device):
-        return TileConfig(32, 32, 1, 1)
-    if dtype == torch.float32 or _block_d(head_dim) > 64:
-        return TileConfig(32, 64, 4, 2)
-    return TileConfig(64, 64, 4, 2)
+@dataclass(frozen=True)
+class BackwardTiles:
+    """dK/dV programs hold a key block (wide BLOCK_N); dQ programs a query block (wide BLOCK_M)."""
+
+    dkdv: TileConfig
+    dq: TileConfig
+
+
+def backward_config(head_dim: int, dtype: torch.dtype, interpreted: bool) -> BackwardTiles:
+    if interpreted:
+        return BackwardTiles(TileConfig(32, 32, 1, 1), TileConfig(32, 32, 1, 1))
+    if dtype == torch.float32:
+        return BackwardTiles(TileConfig(32, 64, 4, 2), TileConfig(64, 32, 4, 2))
+    return BackwardTiles(TileConfig(32, 128, 8, 2), TileConfig(128, 32, 8, 2))
 
 
 def _grid_seqs(num_seqs: int) -> int:
@@ -318,7 +338,7 @@ def forward(
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    cfg = forward_config(dim, q.dtype, q.device)
+    cfg = forward_config(dim, q.dtype, use_interpreter(q.device))
     grid = (triton.cdiv(max_seqlen, cfg.block_m), hq, _grid_seqs(num_seqs))
     _fwd_kernel[grid](
         q, k, v, out, lse, cu_seqlens,
@@ -327,7 +347,7 @@ def forward(
         out.stride(0), out.stride(1), lse.stride(0),
         dim, hq // hkv,
         CAUSAL=causal, IEEE=q.dtype == torch.float32,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(dim),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block_d(dim), EVEN_D=_block_d(dim) == dim,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
@@ -358,25 +378,28 @@ def backward(
         dim, BLOCK_T=block_t, BLOCK_D=block_d,
     )
 
-    cfg = backward_config(dim, q.dtype, q.device)
-    common = dict(
-        CAUSAL=causal, IEEE=ieee, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    tiles = backward_config(dim, q.dtype, use_interpreter(q.device))
     seqs = _grid_seqs(num_seqs)
-    _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, cfg.block_n), hkv, seqs)](
+
+    def options(cfg: TileConfig) -> dict:
+        return dict(
+            CAUSAL=causal, IEEE=ieee, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            EVEN_D=block_d == dim, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, tiles.dkdv.block_n), hkv, seqs)](
         q, k, v, grad_out, lse, delta, dk, dv, cu_seqlens,
         scale, scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), lse.stride(0),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        dim, hq // hkv, **common,
+        dim, hq // hkv, **options(tiles.dkdv),
     )
-    _bwd_dq_kernel[(triton.cdiv(max_seqlen, cfg.block_m), hq, seqs)](
+    _bwd_dq_kernel[(triton.cdiv(max_seqlen, tiles.dq.block_m), hq, seqs)](
         q, k, v, grad_out, lse, delta, dq, cu_seqlens,
         scale, scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
-        dim, hq // hkv, **common,
+        dim, hq // hkv, **options(tiles.dq),
     )
     return dq, dk, dv

@@ -184,3 +184,23 @@ def test_bad_inputs_raise() -> None:
         varlen_attention(q, k, k, torch.tensor([0.0, 6.0]), 6)
     with pytest.raises(TypeError, match="dtypes"):
         varlen_attention(q, k.half(), k, cu, 6)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "dim"),
+    [(torch.float16, 64), (torch.float16, 128), (torch.float32, 32)],
+    ids=["fp16-D64", "fp16-D128", "fp32-D32"],
+)
+def test_gpu_tile_shapes_under_interpreter(monkeypatch: pytest.MonkeyPatch, dtype, dim) -> None:
+    """The GPU tiles are uneven (e.g. 128x32 for dQ, 32x128 for dK/dV), unlike the interpreter's
+    32x32: run the interpreted kernels with exactly the GPU tiles, on lengths that straddle them."""
+    from dcp_compile.kernels.triton_loader import triton_module
+
+    module = triton_module("varlen_attention_triton", torch.device("cpu"))
+    fwd, bwd = module.forward_config, module.backward_config
+    monkeypatch.setattr(module, "forward_config", lambda d, t, interpreted: fwd(d, t, False))
+    monkeypatch.setattr(module, "backward_config", lambda d, t, interpreted: bwd(d, t, False))
+    tiles = bwd(dim, dtype, False)
+    assert tiles.dkdv.block_m != tiles.dkdv.block_n  # the point of this test
+    for causal in (True, False):
+        check_against_sdpa([1, 33, 130], 2, 1, dim, dtype, causal, torch.device("cpu"), seed=int(causal))
