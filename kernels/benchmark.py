@@ -343,6 +343,9 @@ def bench_attention(
 ) -> list[TimingRecord]:
     records = []
     for case in cases:
+        # Each case's FlexAttention mask is a new closure: start from empty dynamo caches so a long
+        # sweep never hits the recompile limit (past it, flex would run unfused and O(T^2) memory).
+        torch._dynamo.reset()
         fwd_flops = case.useful_fwd_flops()
         timed: list[tuple[str, str, float, float]] = []
         for impl, fn, leaves in _attention_impls(case, dtype, device, with_flex):
@@ -500,6 +503,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="dense 16-bit peak of the device, if it is not in the built-in table")
+    parser.add_argument("--no-flex", action="store_true", help="skip the FlexAttention baseline (saves its compiles)")
     parser.add_argument("--no-plot", action="store_true")
     return parser.parse_args(argv)
 
@@ -532,7 +536,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.only in ("attention", "all"):
         peak = peak_tflops(name, args.peak_tflops)
         print(f"Dense 16-bit peak used for percentages: {_fmt(peak)} TFLOP/s")
-        records += bench_attention(attention_cases(args.quick), dtype, device, peak)
+        records += bench_attention(attention_cases(args.quick), dtype, device, peak, with_flex=not args.no_flex)
 
     print()
     print(format_table(records))

@@ -204,3 +204,15 @@ def test_gpu_tile_shapes_under_interpreter(monkeypatch: pytest.MonkeyPatch, dtyp
     assert tiles.dkdv.block_m != tiles.dkdv.block_n  # the point of this test
     for causal in (True, False):
         check_against_sdpa([1, 33, 130], 2, 1, dim, dtype, causal, torch.device("cpu"), seed=int(causal))
+
+
+@pytest.mark.skipif(
+    not HAS_CUDA,
+    reason="hundreds of tokens per sequence are too slow for the interpreter; on CPU the GPU tile "
+    "shapes are covered by test_gpu_tile_shapes_under_interpreter",
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_long_sequences_on_cuda(dtype, dim) -> None:
+    for causal in (True, False):
+        check_against_sdpa([1, 130, 300, 77, 513], 8, 2, dim, dtype, causal, torch.device("cuda"))
