@@ -38,6 +38,12 @@ VARIANT_PASSES = [shard_sequence_pass, insert_all_to_all_pass, recompute_pass]
 
 _graph_ids = itertools.count()
 
+# Variants compile lazily, outside dynamo's frame, where a graph with symbolic floats (dynamo's
+# default for float attributes such as a norm's eps) cannot be "tensorified" (that needs dynamo
+# to restart its analysis). Floats are therefore specialized, as they were before torch 2.6: a
+# changed float recompiles through dynamo's guards instead.
+torch._dynamo.config.specialize_float = True
+
 
 def dcp_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Dispatcher:
     """Dynamo backend entry point (registered as ``"dcp"`` through the package's entry point)."""

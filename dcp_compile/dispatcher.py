@@ -17,6 +17,7 @@ import sympy
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch._functorch import config as functorch_config
 
 from dcp_compile.config import DCPOptions
 from dcp_compile.inner_compilers import INNER_COMPILERS
@@ -114,6 +115,8 @@ class Dispatcher:
         start = time.perf_counter()
         group = sp_group(variant.sp_size)
         variant_record = VariantRecord(variant)
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        variant_record.debug_path = f"rank{rank}/graph{self.record.graph_id}/{variant}".replace('/recompute=', '_recompute=')
         self.record.variants[variant] = variant_record
         ctx = PassContext(
             fake_inputs=self.fake_inputs, fake_mode=self.fake_mode, sp_size=variant.sp_size,
@@ -129,7 +132,9 @@ class Dispatcher:
         variant_record.graph = gm
         variant_record.collectives = count_collectives(gm)
         inner = INNER_COMPILERS[self.options.inner]
-        compiled = inner(gm, self.fake_inputs, variant_record)
+        budget = variant.memory_budget if variant.recompute == "selective" else 1.0
+        with functorch_config.patch(activation_memory_budget=budget):
+            compiled = inner(gm, self.fake_inputs, variant_record)
         self.compiled[variant] = compiled
         variant_record.compile_seconds = time.perf_counter() - start
         log.info("dcp: graph %d variant %s compiled in %.2fs (%s)", self.record.graph_id, variant,

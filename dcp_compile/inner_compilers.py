@@ -7,7 +7,8 @@ activations and the backward all-to-alls can be read).
 
 from __future__ import annotations
 
-import functools
+import os
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -34,17 +35,27 @@ def saved_activation_bytes(forward: fx.GraphModule, num_user_outputs: int | None
     return sum(_tensor_bytes(n.meta.get("val")) for n in saved if isinstance(n, fx.Node) and n not in placeholders)
 
 
+def _dump(record: VariantRecord, name: str, code: str) -> None:
+    directory = os.environ.get("DCP_DEBUG_DIR")
+    if directory and record.debug_path:
+        path = Path(directory) / record.debug_path / f"{name}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(code)
+
+
 def _record_forward(record: VariantRecord, gm: fx.GraphModule, num_user_outputs: int) -> None:
     from dcp_compile.passes.pass_runner import readable
 
     record.forward_graph = readable(gm)
     record.saved_activation_bytes = saved_activation_bytes(gm, num_user_outputs)
+    _dump(record, "forward", record.forward_graph)
 
 
 def _record_backward(record: VariantRecord, gm: fx.GraphModule) -> None:
     from dcp_compile.passes.pass_runner import readable
 
     record.backward_graph = readable(gm)
+    _dump(record, "backward", record.backward_graph)
 
 
 def _num_outputs(gm: fx.GraphModule) -> int:

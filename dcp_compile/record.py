@@ -36,6 +36,7 @@ class VariantRecord:
     compile_seconds: float = 0.0
     calls: int = 0
     graph: fx.GraphModule | None = None  # the transformed graph handed to the inner compiler
+    debug_path: str | None = None  # where DCP_DEBUG_DIR dumps go, relative to it
 
 
 @dataclass

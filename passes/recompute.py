@@ -1,13 +1,74 @@
-"""Recompute policy per variant, as partitioner tags. (Filled in by the variants work.)"""
+"""Recomputation policy of a variant, written as partitioner tags on the graph.
+
+AOTAutograd's min-cut partitioner reads ``node.meta["recompute"]`` (a ``CheckpointPolicy``) and
+``node.meta["ac_graph_id"]``, the same tags ``torch.utils.checkpoint`` leaves, so the compiled
+backward recomputes what the policy says and keeps the rest:
+
+* ``none``: no tags of ours (the model's own checkpointed regions keep theirs);
+* ``attention``: attention is recomputed in backward from its saved inputs;
+* ``selective``: no tags; the partitioner keeps ``memory_budget`` of the activation memory
+  (``torch._functorch.config.activation_memory_budget``), choosing what to recompute itself;
+* ``full``: everything is recomputed from the graph inputs.
+
+Under every policy collective outputs are saved (``MUST_SAVE``): recomputing them would re-send
+the all-to-alls in backward. Random ops (dropout) are saved too, so a recomputation never draws
+a different mask.
+"""
 
 from __future__ import annotations
 
+import logging
+
+import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from dcp_compile.passes.context import PassContext
+from dcp_compile.passes.find_attention import SDPA
+
+log = logging.getLogger(__name__)
+RECOMPUTE_GRAPH_ID = 4242
+
+
+def is_collective(node: fx.Node) -> bool:
+    return node.op == "call_function" and "_c10d_functional" in str(node.target)
+
+
+def is_random(node: fx.Node) -> bool:
+    target = node.target
+    if target is SDPA:  # seeded only through its dropout
+        from dcp_compile.passes.find_attention import sdpa_argument
+
+        return float(sdpa_argument(node, "dropout_p")) > 0.0
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _tag(node: fx.Node, policy: CheckpointPolicy) -> None:
+    node.meta["recompute"] = policy
+    node.meta["ac_graph_id"] = RECOMPUTE_GRAPH_ID
 
 
 def recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    policy = ctx.recompute
+    tagged = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if is_collective(node) or is_random(node):
+            # Under every policy: the min-cut partitioner would otherwise be free to recompute a
+            # cheap-looking collective in backward, and ranks whose graphs differ (every rank's
+            # does) could then disagree on the collectives they issue, and hang.
+            _tag(node, CheckpointPolicy.MUST_SAVE)
+            continue
+        if policy == "full":
+            _tag(node, CheckpointPolicy.PREFER_RECOMPUTE)
+            tagged += 1
+        elif policy == "attention" and node.target is SDPA:
+            # MUST: attention's inputs are saved anyway (all-to-all outputs), so a soft preference
+            # loses to keeping the output and logsumexp, which is what this policy gives up.
+            _tag(node, CheckpointPolicy.MUST_RECOMPUTE)
+            tagged += 1
+    log.debug("dcp: recompute=%s tagged %d node(s) for recomputation", policy, tagged)
     return gm
 
 

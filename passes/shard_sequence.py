@@ -372,12 +372,14 @@ class ShardingInterpreter(fx.Interpreter):
             local = self.chunk[node]
             if isinstance(local, (tuple, list)):
                 raise CannotShard("a tuple-valued graph output that is sharded")
-            full = self.as_full(node)
             seq = self._seq_of(node)
             if not local.requires_grad:
-                return full
+                return self.as_full(node)
             if not seq.plain:
-                return collectives.scale_gradient(full, scale)
+                return collectives.scale_gradient(self.as_full(node), scale)
+            # The gather itself stays out of autograd: its gradient reaches ``local`` through
+            # replicated_output, so backward issues no collective for it on any rank.
+            full = self._gather(local.detach(), seq)
             start = chunk_start(self.length, self.sp_size, self.rank)
             return collectives.replicated_output(full, local, seq.dim, start)
 
