@@ -38,7 +38,7 @@ __all__ = [
 
 
 def explain(model, *args, **kwargs):
-    """Run the compiled model once and return what the dcp backend did (see ``dcp_compile.explain``)."""
-    from dcp_compile.explain import explain as _explain
+    """Run the compiled model once and return what the dcp backend did (see ``dcp_compile.inspection``)."""
+    from dcp_compile.inspection import explain as _explain
 
     return _explain(model, *args, **kwargs)

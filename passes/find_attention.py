@@ -28,6 +28,7 @@ SDPA = aten.scaled_dot_product_attention.default
 MATMULS = {aten.matmul.default, aten.bmm.default}
 SOFTMAXES = {aten.softmax.int, aten._softmax.default}
 TRANSPOSES = {aten.transpose.int, aten.mT.default, aten.permute.default}
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 @dataclass
@@ -111,6 +112,7 @@ class HandwrittenMatch:
     mask: fx.Node | None
     scale: float
     dropout_p: float
+    head_view: list | None = None  # [B, H, S, S]: run SDPA on 4-D views of 3-D operands
 
 
 def _is_constant_number(value: Any) -> bool:
@@ -125,10 +127,21 @@ def find_handwritten_attention(softmax: fx.Node) -> HandwrittenMatch | None:
     if softmax.target is aten._softmax.default and softmax.args[2]:
         return None  # half-to-float softmax: leave it alone
     scores, mask, scale = softmax.args[0], None, 1.0
+    head_view = None  # [B*H, S, S] scores viewed as [B, H, S, S] to add a per-batch mask
+    if scores.target in VIEWS and len(scores.users) == 1 and _rank_of(scores) == 3:
+        inner = scores.args[0]
+        if inner.target is aten.add.Tensor and len(inner.users) == 1 and _rank_of(inner) == 4:
+            left = inner.args[0]
+            if isinstance(left, fx.Node) and left.target in VIEWS and len(left.users) == 1:
+                head_view = list(left.args[1])
+                scores = inner
+                scores_source = left.args[0]
     if scores.target is aten.add.Tensor and len(scores.users) == 1:
         left, right = scores.args[0], scores.args[1]
         if isinstance(left, fx.Node) and isinstance(right, fx.Node):
-            if left.target in MATMULS or left.target in (aten.mul.Tensor, aten.div.Tensor):
+            if head_view is not None:
+                scores, mask = scores_source, right
+            elif left.target in MATMULS or left.target in (aten.mul.Tensor, aten.div.Tensor):
                 scores, mask = left, right
             elif right.target in MATMULS or right.target in (aten.mul.Tensor, aten.div.Tensor):
                 scores, mask = right, left
@@ -159,7 +172,17 @@ def find_handwritten_attention(softmax: fx.Node) -> HandwrittenMatch | None:
     value = user.args[1]
     if not (_rank_of(query) == _rank_of(key) == _rank_of(value) == rank):
         return None
-    return HandwrittenMatch(softmax, user, query, key, value, mask, scale, dropout_p)
+    return HandwrittenMatch(softmax, user, query, key, value, mask, scale, dropout_p, head_view)
+
+
+def _propagate_fake_values(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Give the nodes this pass created a ``val`` (later passes read shapes from it)."""
+    with ctx.fake_mode:
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "val" not in node.meta:
+                args = fx.map_arg(node.args, lambda n: n.meta["val"])
+                kwargs = fx.map_arg(node.kwargs, lambda n: n.meta["val"])
+                node.meta["val"] = node.target(*args, **kwargs)
 
 
 def find_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -172,18 +195,33 @@ def find_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if match is None:
             continue
         with gm.graph.inserting_before(match.output):
+            query, key, value = match.query, match.key, match.value
+            if match.head_view is not None:
+                batch, heads, length = match.head_view[:3]
+
+                def four_d(node: fx.Node) -> fx.Node:
+                    head_dim = node.meta["val"].shape[-1]
+                    return gm.graph.call_function(aten.view.default, (node, [batch, heads, length, head_dim]))
+
+                query, key, value = four_d(query), four_d(key), four_d(value)
             sdpa = gm.graph.call_function(
                 SDPA,
-                (match.query, match.key, match.value),
+                (query, key, value),
                 {"attn_mask": match.mask, "dropout_p": match.dropout_p, "scale": match.scale},
             )
-        sdpa.meta = dict(match.output.meta)
+            if match.head_view is not None:
+                head_dim = match.value.meta["val"].shape[-1]
+                rows = gm.graph.call_function(aten.sym_size.int, (match.query, 0))
+                flat = gm.graph.call_function(aten.reshape.default, (sdpa, [rows, length, head_dim]))
+                flat.meta = dict(match.output.meta)
+        sdpa.meta = {k: v for k, v in match.output.meta.items() if match.head_view is None or k != "val"}
         sdpa.meta["dcp_spelling"] = "handwritten"
-        match.output.replace_all_uses_with(sdpa)
+        match.output.replace_all_uses_with(sdpa if match.head_view is None else flat)
         rewritten += 1
     if rewritten:
         gm.graph.eliminate_dead_code()
         gm.recompile()
+        _propagate_fake_values(gm, ctx)
     sites = [
         AttentionSite(node, node.meta.get("dcp_spelling", "sdpa"), _shape(node.args[0]), _shape(node.args[1]))
         for node in gm.graph.nodes

@@ -527,6 +527,37 @@ def _loss_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
                    aligned=(logits, target))
 
 
+@rule(aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor)
+def _repeat_interleave_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    source = node.args[0]
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if dim is None:
+        return _mixing("repeat_interleave of a flattened sequence", node, analysis)
+    dim = _normalize(dim, _val(source).dim())
+    if any(seq.dim == dim for seq in analysis.dims_of(source)):
+        return _mixing("repeat_interleave along the sequence dimension", node, analysis)
+    return RuleResult(TOKEN_LOCAL, analysis.dims_of(source), (source,))
+
+
+@rule(aten.pad.default, aten.constant_pad_nd.default)
+def _pad_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    source = node.args[0]
+    rank = _val(source).dim()
+    padding = list(node.args[1])
+    padded = {rank - 1 - i // 2 for i, amount in enumerate(padding) if not (isinstance(amount, int) and amount == 0)}
+    if any(seq.dim in padded for seq in analysis.dims_of(source)):
+        return _mixing("pads the sequence dimension", node, analysis)
+    return RuleResult(TOKEN_LOCAL, analysis.dims_of(source), (source,))
+
+
+@rule(aten.outer.default, aten.ger.default)
+def _outer_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    left, right = node.args[:2]
+    if analysis.dims_of(right):
+        return _mixing("an outer product with a sequence-indexed right operand", node, analysis)
+    return RuleResult(TOKEN_LOCAL, analysis.dims_of(left), (left,))
+
+
 @rule(aten.sym_size.int)
 def _sym_size_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     return RuleResult(NONE)
