@@ -29,6 +29,7 @@ class VariantRecord:
     rewrites: list[str] = field(default_factory=list)
     collectives: dict[str, int] = field(default_factory=dict)
     sharded_regions: int = 0
+    output_gathers: int = 0  # forward-only all-to-alls that return a chunked output in full
     fallback_reason: str | None = None
     forward_graph: str | None = None
     backward_graph: str | None = None

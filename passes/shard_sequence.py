@@ -106,6 +106,7 @@ class ShardingInterpreter(fx.Interpreter):
         self.length: Any = None  # SymInt of the full sequence length, once seen
         self.gathers: list[GatherRecord] = []
         self.rewrites: list[str] = []
+        self.output_gathers = 0  # outputs gathered outside autograd (no backward collective)
 
     # --- layout conversions --------------------------------------------------------------
 
@@ -380,6 +381,7 @@ class ShardingInterpreter(fx.Interpreter):
             # The gather itself stays out of autograd: its gradient reaches ``local`` through
             # replicated_output, so backward issues no collective for it on any rank.
             full = self._gather(local.detach(), seq)
+            self.output_gathers += 1
             start = chunk_start(self.length, self.sp_size, self.rank)
             return collectives.replicated_output(full, local, seq.dim, start)
 
@@ -404,5 +406,6 @@ def shard_sequence_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.variant_record.gathers.extend(interpreter.gathers)
         ctx.variant_record.rewrites.extend(interpreter.rewrites)
         ctx.variant_record.sharded_regions = plan.regions
+        ctx.variant_record.output_gathers = interpreter.output_gathers
         ctx.variant_record.fallback_reason = fallback_reason
     return sharded

@@ -14,7 +14,9 @@ from model_zoo import ZOO, eager_reference, output_tensors
 RTOL, ATOL = 1e-5, 1e-5
 
 
-def compiled_run(model: torch.nn.Module, compiled: Any, case, inputs: dict, group=None) -> tuple[Any, dict]:
+def compiled_run(model: torch.nn.Module, compiled: Any, case, inputs: dict, group=None, reduce: bool = True) -> tuple[Any, dict]:
+    """Outputs and parameter gradients of the compiled model; gradients summed over ``group``
+    (the SP group) unless ``reduce`` is False (a rank that ran alone)."""
     model.zero_grad(set_to_none=True)
     outputs = compiled(**inputs)
     case.loss_of(outputs).backward()
@@ -23,7 +25,7 @@ def compiled_run(model: torch.nn.Module, compiled: Any, case, inputs: dict, grou
         if param.grad is None:
             continue
         grad = param.grad.detach().clone()
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if reduce and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(grad, group=group)
         grads[name] = grad
     return outputs, grads

@@ -1,0 +1,82 @@
+"""Bad input gets an error that names the value and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dcp_compile as dcp
+from dcp_compile.config import parse_options
+from dcp_compile.process_world import run_in_process_world
+from dcp_compile.variants import Bucket, BucketTable, Variant
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['sp'\].*valid options are .*sp_size"):
+        parse_options({"sp": 2})
+
+
+def test_unknown_inner_compiler():
+    with pytest.raises(ValueError, match="unknown inner compiler 'tvm'.*inductor"):
+        parse_options({"inner": "tvm"})
+
+
+@pytest.mark.parametrize("value", [1.5, "2", True])
+def test_non_integer_sp_size(value):
+    with pytest.raises(TypeError, match="sp_size must be a positive integer"):
+        parse_options({"sp_size": value})
+
+
+def test_sp_size_without_process_group():
+    with pytest.raises(RuntimeError, match=r"sp_size=2 needs an initialized torch.distributed.*init_process_group"):
+        parse_options({"sp_size": 2})
+
+
+def _sp_size_not_dividing_world(rank, world_size):
+    with pytest.raises(ValueError, match=r"sp_size=3 does not divide the world size 2.*Use one of \[1, 2\]"):
+        parse_options({"sp_size": 3})
+    return True
+
+
+def test_sp_size_must_divide_world():
+    assert run_in_process_world(_sp_size_not_dividing_world, 2, timeout=120) == [True, True]
+
+
+def test_compile_surfaces_option_errors():
+    model = torch.compile(torch.nn.Linear(4, 4), backend="dcp", options={"recompute": "sometimes"})
+    with pytest.raises(Exception, match="unknown recompute policy 'sometimes'"):
+        model(torch.randn(2, 4))
+
+
+def test_length_over_every_bucket():
+    table = BucketTable([Bucket(16, Variant(1)), Bucket(64, Variant(1, "full"))])
+    with pytest.raises(ValueError, match=r"sequence length 65 is longer than every bucket \(the largest has max_len=64\)"):
+        table.select(65)
+
+
+def test_bucket_boundaries_are_inclusive():
+    table = BucketTable([Bucket(64, Variant(1, "full")), Bucket(16, Variant(1)), Bucket(None, Variant(1, "attention"))])
+    assert table.select(16).variant == Variant(1)
+    assert table.select(17).variant == Variant(1, "full")
+    assert table.select(64).variant == Variant(1, "full")
+    assert table.select(10**6).variant == Variant(1, "attention")
+
+
+def test_use_accepts_microbatch_like_objects_and_rejects_others():
+    class Plan:
+        sp_size, recompute = 1, "full"
+
+    with dcp.use(Plan()) as variant:
+        assert variant == Variant(1, "full")
+    with pytest.raises(TypeError, match="needs an object with sp_size and recompute"):
+        with dcp.use(object()):
+            pass
+
+
+def test_bucket_errors():
+    with pytest.raises(ValueError, match="needs 'max_len'"):
+        parse_options({"buckets": [{"sp_size": 1}]})
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_options({"buckets": [{"max_len": 4, "sp": 1}]})
+    with pytest.raises(ValueError, match="share a max_len"):
+        parse_options({"buckets": [{"max_len": 4}, {"max_len": 4}]})

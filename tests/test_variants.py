@@ -1,0 +1,137 @@
+"""Length buckets, dcp.use and recompute variants: one trace, every variant at parity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import dcp_compile as dcp
+from dcp_compile.process_world import run_in_process_world
+from model_zoo import ZOO
+from parity import compare, compiled_run, eager_reference
+
+BUCKETS = [
+    {"max_len": 24, "sp_size": 1, "recompute": "none"},
+    {"max_len": 40, "sp_size": 2, "recompute": "attention"},
+    {"max_len": None, "sp_size": 2, "recompute": "full"},
+]
+# 20 distinct lengths over the three buckets; every rank's chunk holds >= 2 tokens.
+LENGTHS = [13, 9, 10, 11, 14, 17, 19, 22, 24, 25, 27, 30, 33, 38, 40, 41, 47, 49, 55, 63]
+
+
+def _trace_once_worker(rank, world_size, inner):
+    case = ZOO["gpt"]
+    model = case.build()
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": inner, "buckets": BUCKETS})
+    problems = []
+    for index, length in enumerate(LENGTHS):
+        alone = length <= 24  # SP=1: each rank computes the whole batch by itself
+        actual = compiled_run(model, compiled, case, case.make_inputs(length), reduce=not alone)
+        problems += compare("gpt", length, eager_reference(case, length), actual)
+        if index == 0:
+            torch.compiler.set_stance("fail_on_recompile")
+    torch.compiler.set_stance("default")
+    record = dcp.explain(compiled, **case.make_inputs(30))
+    assert len(record) == 1, "more than one graph: the model was traced again"
+    chosen = {str(v) for v in record[0].variants}
+    if problems:
+        raise AssertionError("\n".join(problems))
+    return sorted(chosen)
+
+
+def test_trace_once_over_three_buckets():
+    results = run_in_process_world(_trace_once_worker, 2, "eager", timeout=900)
+    assert results[0] == sorted(["sp=1/recompute=none", "sp=2/recompute=attention", "sp=2/recompute=full"])
+
+
+def _different_variants_worker(rank, world_size):
+    case = ZOO["gpt"]
+    model = case.build()
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager"})
+    problems = []
+    # Step 1: each rank alone (SP=1), each on its own length: no collective may be issued.
+    length = 11 if rank == 0 else 17
+    with dcp.use(dcp.Variant(sp_size=1)):
+        actual = compiled_run(model, compiled, case, case.make_inputs(length), reduce=False)
+    problems += compare("gpt-sp1", length, eager_reference(case, length), actual)
+    # Step 2: both ranks in one SP=2 group on the same batch.
+    with dcp.use(dcp.Variant(sp_size=2)):
+        actual = compiled_run(model, compiled, case, case.make_inputs(21))
+    problems += compare("gpt-sp2", 21, eager_reference(case, 21), actual)
+    if problems:
+        raise AssertionError("\n".join(problems))
+    return True
+
+
+def test_ranks_on_different_variants_in_one_step():
+    assert run_in_process_world(_different_variants_worker, 2, timeout=600) == [True, True]
+
+
+def _inductor_worker(rank, world_size):
+    case = ZOO["gpt"]
+    model = case.build()
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options={
+        "inner": "inductor", "buckets": [{"max_len": 16, "sp_size": 1}, {"max_len": None, "sp_size": 2}]})
+    problems = []
+    for length in (12, 23):
+        actual = compiled_run(model, compiled, case, case.make_inputs(length), reduce=length > 16)
+        problems += compare("gpt-inductor", length, eager_reference(case, length), actual, rtol=1e-4, atol=1e-5)
+    if problems:
+        raise AssertionError("\n".join(problems))
+    return True
+
+
+@pytest.mark.slow
+def test_inductor_variants():
+    assert run_in_process_world(_inductor_worker, 2, timeout=1200) == [True, True]
+
+
+# --- recompute, on one process with a fake process group (structure only) ----------------------
+
+@pytest.fixture(scope="module")
+def recompute_records():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    torch._dynamo.reset()
+    try:
+        case = ZOO["gpt"]
+        model = case.build()
+        compiled = torch.compile(model, backend="dcp", dynamic=True, options={
+            "inner": "aot_eager", "buckets": [{"max_len": None, "sp_size": 2}]})
+        records = {}
+        for policy in ("none", "attention", "selective", "full"):
+            variant = dcp.Variant(2, policy, 0.5 if policy == "selective" else None)
+            with dcp.use(variant):
+                outputs = compiled(**case.make_inputs(12))
+                case.loss_of(outputs).backward()
+                record = dcp.explain(compiled, **case.make_inputs(12))
+            records[policy] = record[0].variants[variant]
+        yield records
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
+A2A = "_c10d_functional.all_to_all_single.default("
+
+
+@pytest.mark.parametrize("policy", ["none", "attention", "selective", "full"])
+def test_backward_sends_as_many_all_to_alls_as_forward(recompute_records, policy):
+    record = recompute_records[policy]
+    forward = record.forward_graph.count(A2A) - record.output_gathers  # outputs gather without autograd
+    assert forward == record.backward_graph.count(A2A) == 8  # 2 attentions x (q, k, v, out)
+
+
+def test_recompute_trades_saved_activations(recompute_records):
+    saved = {policy: record.saved_activation_bytes for policy, record in recompute_records.items()}
+    assert saved["none"] > saved["selective"] > saved["full"], saved
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "recompute='attention' recomputes SDPA in backward, but the min-cut partitioner then keeps "
+    "other views of the all-to-all outputs, so on this small model it saves more than 'none'; "
+    "see the issue note (the attention policy needs its own partition hints)"))
+def test_attention_recompute_saves_less_than_none(recompute_records):
+    saved = {policy: record.saved_activation_bytes for policy, record in recompute_records.items()}
+    assert saved["none"] > saved["attention"] > saved["selective"], saved
