@@ -76,12 +76,25 @@ def _select_heads(tensor: torch.Tensor, heads: tuple[int, ...], identity: bool) 
     return tensor.index_select(1, index)
 
 
+def use_layout_kernels(tensor: torch.Tensor) -> bool:
+    """The fused Triton layout kernels on CUDA (or when ``DCP_KERNELS=triton`` forces them)."""
+    from dcp_compile.kernels import kernel_backend
+
+    return kernel_backend(tensor) == "triton"
+
+
 def sequence_to_heads(chunk: torch.Tensor, layout: HeadLayout, lengths: list, group: str) -> torch.Tensor:
     """``[B, H, S_r, D]`` chunk → ``[B, Hp, S, D]``: all positions of this rank's heads."""
     batch, _, local, dim = chunk.shape
     sp_size = len(lengths)
-    chunk = _select_heads(chunk, layout.source_heads, layout.is_identity)
-    send = chunk.reshape(batch, sp_size, layout.per_rank, local, dim).permute(1, 3, 0, 2, 4)
+    if use_layout_kernels(chunk):
+        from dcp_compile.kernels import pack_for_heads
+
+        index = None if layout.is_identity else torch.tensor(layout.source_heads, dtype=torch.long, device=chunk.device)
+        send = pack_for_heads(chunk, sp_size, layout.per_rank, index)  # one pass into the send buffer
+    else:
+        chunk = _select_heads(chunk, layout.source_heads, layout.is_identity)
+        send = chunk.reshape(batch, sp_size, layout.per_rank, local, dim).permute(1, 3, 0, 2, 4)
     send = send.reshape(sp_size * local, batch, layout.per_rank, dim)
     received = collectives.all_to_all(send, lengths, [local] * sp_size, group)
     return received.permute(1, 2, 0, 3)
@@ -91,6 +104,11 @@ def heads_to_sequence(heads: torch.Tensor, num_heads: int, local: Any, lengths: 
     """``[B, Hp, S, D]`` → ``[B, H, S_r, D]``: this rank's chunk of every head."""
     batch, per_rank, _, dim = heads.shape
     sp_size = len(lengths)
+    if use_layout_kernels(heads):
+        from dcp_compile.kernels import pack_for_sequence, unpack_from_heads
+
+        received = collectives.all_to_all(pack_for_sequence(heads), [local] * sp_size, lengths, group)
+        return unpack_from_heads(received.view(sp_size, local, batch, per_rank, dim), num_heads)
     send = heads.permute(2, 0, 1, 3)
     received = collectives.all_to_all(send, [local] * sp_size, lengths, group)
     out = received.view(sp_size, local, batch, per_rank, dim).permute(2, 0, 3, 1, 4)
