@@ -56,6 +56,11 @@ def dcp_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str
     record = GraphRecord(next(_graph_ids))
     aten_gm, fake_inputs, fake_mode = capture_aten_graph(gm, example_inputs)
     ctx = PassContext(fake_inputs=fake_inputs, fake_mode=fake_mode, record=record)
+    # Parameters' gradients stay partial (summed by the user's gradient sync); other inputs that
+    # require grad get their full gradient on every rank (see collectives.replicated_input).
+    ctx.analysis["parameter_indices"] = {
+        index for index, value in enumerate(example_inputs) if isinstance(value, torch.nn.Parameter)
+    }
     analysed = run_passes(aten_gm, ctx, ANALYSIS_PASSES, graph_id=record.graph_id,
                           disabled=parsed.disable_passes, debug_dir=parsed.debug_dir,
                           records=record.analysis_passes)

@@ -107,3 +107,31 @@ def _replicated_output_backward(ctx, grad):
 
 
 replicated_output.register_autograd(_replicated_output_backward, setup_context=_replicated_output_setup)
+
+
+@torch.library.custom_op("dcp::replicated_input", mutates_args=())
+def replicated_input(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Identity forward; the gradient is summed over the SP group in backward.
+
+    A graph input that is not a parameter (an activation handed over by an earlier graph, after a
+    graph break, or a user input that requires grad) is the same on every rank, and each rank's
+    graph uses part of it: the sum of the ranks' partial gradients is its gradient, which every
+    rank then returns, as eager would.
+    """
+    return tensor.clone()
+
+
+@replicated_input.register_fake
+def _(tensor, group_name):
+    return torch.empty_like(tensor)
+
+
+def _replicated_input_setup(ctx, inputs, output):
+    ctx.group_name = inputs[1]
+
+
+def _replicated_input_backward(ctx, grad):
+    return all_reduce_sum(grad, ctx.group_name), None
+
+
+replicated_input.register_autograd(_replicated_input_backward, setup_context=_replicated_input_setup)

@@ -184,12 +184,19 @@ class ShardingInterpreter(fx.Interpreter):
             log.info("dcp: %s", record)
         return gathered
 
+    def _is_parameter(self, n: fx.Node) -> bool:
+        index = [p for p in self.module.graph.nodes if p.op == "placeholder"].index(n)
+        return index in self.ctx.analysis.get("parameter_indices", ())
+
     # --- nodes ---------------------------------------------------------------------------
 
     def run_node(self, n: fx.Node) -> Any:
         with self._set_current_node(n):
             if n.op in ("placeholder", "get_attr"):
                 value = super().run_node(n)
+                if (n.op == "placeholder" and _is_tensor(value) and value.requires_grad
+                        and self.sp_size > 1 and not self._is_parameter(n)):
+                    value = collectives.replicated_input(value, self.group)
                 self.full[n] = value
                 role = self.analysis.roles.get(n)
                 if role is not None and role.role == SOURCE and _is_tensor(value):
