@@ -14,9 +14,10 @@
 4. trains ``steps`` steps with :class:`~dcp_compile.DataCentricSampler`: per micro-batch an SP
    size chosen by the planner, the loss scaled by ``loss_scale``, one ``dcp.sync_gradients`` per
    step. Rank 0 prints each step's plan, then the measured time, loss and tokens/s;
-5. trains the same steps again from the same initial weights with static SP: the very same
+5. trains the same steps with static SP from the same initial weights: the very same
    micro-batches, each run by the whole world at ``sp_size = world`` (the one-configuration
-   baseline), and prints both side by side.
+   baseline). The two trainings alternate step by step (each with its own weights and optimizer)
+   so that a slow phase of a shared machine hits both; rank 0 prints them side by side.
 
 Both runs do the same arithmetic on the same tokens, so their losses agree to float rounding; only
 the time differs. The demo says what the numbers mean: on CPU processes talking over gloo they are
@@ -62,16 +63,18 @@ def long_tailed_lengths(count: int, seed: int, shortest: int = SHORTEST, longest
 def make_dataset(seed: int, total_tokens: int, shortest: int = SHORTEST, longest: int = LONGEST) -> list[torch.Tensor]:
     """Samples of long-tailed lengths, ``total_tokens`` or a little more in all.
 
-    Each sample repeats a random motif of 2 to 16 tokens (token 0 is kept for padding), a copy
-    task a small transformer starts to learn within a few steps, so the loss visibly moves.
+    Each sample repeats a random motif of 2 to 16 tokens drawn from a Zipf distribution (token 0
+    is kept for padding): the token frequencies are learnt within a few steps, so the loss visibly
+    falls, and the repeats reward attention (copying) later on.
     """
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
+    zipf = 1.0 / torch.arange(1, VOCAB, dtype=torch.float64)
     samples: list[torch.Tensor] = []
     tokens = 0
     while tokens < total_tokens:
-        length = int(shortest * (longest / shortest) ** rng.random())
-        motif = torch.randint(1, VOCAB, (rng.randint(2, 16),), generator=generator)
+        length = long_tailed_lengths(1, rng.randrange(2**32), shortest, longest)[0]
+        motif = torch.multinomial(zipf, rng.randint(2, 16), replacement=True, generator=generator) + 1
         samples.append(motif.repeat(math.ceil(length / len(motif)))[:length])
         tokens += length
     return samples
@@ -101,7 +104,7 @@ def padded_tokens(dataset: Sequence[torch.Tensor], indices: Sequence[int]) -> in
 # ---------------------------------------------------------------------------------------------
 # Cost model
 # ---------------------------------------------------------------------------------------------
-def tinygpt_cost_model(world_size: int) -> dcp.CostModel:
+def tinygpt_cost_model() -> dcp.CostModel:
     """TinyGPT's analytic profile (fp32 weights and activations, AdamW state) on this device.
 
     ``CostModel.default()`` describes a generic 1B-parameter model: on TinyGPT it predicts minutes
@@ -116,9 +119,10 @@ def tinygpt_cost_model(world_size: int) -> dcp.CostModel:
 
 
 def sp_sizes_for(world_size: int) -> list[int]:
-    """The SP sizes the planner may choose (powers of two up to the world)."""
+    """The SP sizes the demo lets the planner choose: powers of two that divide the world (SP groups
+    must tile the world; the planner alone would also offer, say, SP 2 on a world of 3)."""
     sizes = [1]
-    while sizes[-1] * 2 <= world_size:
+    while world_size % (sizes[-1] * 2) == 0:
         sizes.append(sizes[-1] * 2)
     return sizes
 
@@ -229,7 +233,7 @@ def _gather_step(elapsed: float, busy: float, loss_share: float, device: torch.d
 def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", seed: int = 0,
           tokens_per_step: int = TOKENS_PER_STEP, calibrate_cost_model: bool = True,
           log: Callable[[str], None] | None = None) -> dict:
-    """Train TinyGPT with DCP plans, then with static SP on the same steps; see the module docstring.
+    """Train TinyGPT with DCP plans and with static SP on the same steps; see the module docstring.
 
     Returns plain data (what rank 0 printed): per-step results of both runs and the setup.
     """
@@ -244,7 +248,7 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
     lengths = [len(s) for s in dataset]
     torch.manual_seed(seed)
     model = TinyGPT(VOCAB, HIDDEN, LAYERS, HEADS).to(device)
-    initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # before any update
     compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": inner})
     sizes = sp_sizes_for(world_size)
     static_variant = dcp.Variant(world_size, "none")
@@ -259,7 +263,7 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
         f"(2 dynamo traces: a batch of 1 is specialized), in {compile_seconds:.1f} s; not in the timings below")
 
     # -------------------------------------------------------------- cost model and sampler
-    cost_model = tinygpt_cost_model(world_size)
+    cost_model = tinygpt_cost_model()
     if calibrate_cost_model:
         start = time.perf_counter()
         cost_model = calibrate(cost_model, compiled, model, sizes, device, seed)
@@ -274,7 +278,7 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
     max_tokens_per_rank = max(math.ceil(LONGEST / largest_sp), LONGEST // 2)
     sampler = dcp.DataCentricSampler(
         lengths, tokens_per_step=tokens_per_step, cost_model=cost_model, max_tokens_per_rank=max_tokens_per_rank,
-        seed=seed, verify_plan=distributed, supervised_tokens=[n - 1 for n in lengths],
+        seed=seed, verify_plan=distributed, supervised_tokens=[n - 1 for n in lengths], max_sp_size=largest_sp,
     )
     if len(sampler) < steps:
         raise RuntimeError(f"the dataset has only {len(sampler)} steps; asked for {steps}")
@@ -283,55 +287,55 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
         f"{max_tokens_per_rank} tokens per rank in a micro-batch (a stand-in for a GPU's memory cap: "
         "longer sequences must run on an SP group)")
 
-    # -------------------------------------------------------------- DCP
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    dcp_results: list[StepResult] = []
-    plans: list[dcp.StepPlan] = []
+    # -------------------------------------------------------------- DCP and static SP, interleaved
+    # Two trainings from the same initial weights, one step of each in turn (which one goes first
+    # alternates), so that a slow phase of a shared machine hits both. They share the compiled
+    # model: each keeps its own weights (swapped in before its step) and its own optimizer.
+    weights = {"dcp": initial_state, "static": {k: v.clone() for k, v in initial_state.items()}}
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE) for name in weights}
+    results: dict[str, list[StepResult]] = {"dcp": [], "static": []}
     say("")
-    say(f"=== data-centric parallel: SP size per micro-batch, {world_size} ranks ===")
+    say(f"=== training: each step runs twice from its own weights, with the DCP plan (SP size per "
+        f"micro-batch) and with static SP (the same micro-batches, every one on ranks 0-{world_size - 1} "
+        f"at SP {world_size}) ===")
     for step in itertools.islice(sampler, steps):
-        plans.append(step)
         say("")
         say(str(step))
-        work = [(mb, dcp.Variant.of(mb), mb.group_ranks[0] == rank) for mb in step.microbatches]
-        elapsed, busy, share = run_step(compiled, model, optimizer, dataset, work, device)
-        seconds, busy_all, loss = _gather_step(elapsed, busy, share, device)
-        every = [mb for group in step.groups for mb in group.microbatches]
-        sp_counts: dict[int, int] = {}
-        for mb in every:
-            sp_counts[mb.sp_size] = sp_counts.get(mb.sp_size, 0) + 1
-        result = StepResult(
-            seconds=seconds, busy=busy_all, loss=loss, tokens=step.tokens,
-            padded=sum(padded_tokens(dataset, mb.indices) for mb in every),
-            predicted=step.predicted_makespan, microbatches=len(every), sp_sizes=sp_counts,
-        )
-        dcp_results.append(result)
-        predicted_ranks = step.predicted_rank_times()
-        say(f"measured {result.seconds:.3f} s (predicted {result.predicted:.3f} s) | busy per rank "
-            + ", ".join(f"{b:.3f}" for b in busy_all)
-            + " s (predicted " + ", ".join(f"{p:.3f}" for p in predicted_ranks) + ")"
-            + f" | loss {loss:.4f} | {result.tokens_per_s:,.0f} tokens/s")
-
-    # -------------------------------------------------------------- static SP
-    model.load_state_dict(initial_state)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    static_results: list[StepResult] = []
-    say("")
-    say(f"=== static SP: the same micro-batches, every one on ranks 0-{world_size - 1} at SP {world_size} ===")
-    for step in plans:
         every = [mb for group in step.groups for mb in group.microbatches]  # the same order on every rank
-        work = [(mb, static_variant, rank == 0) for mb in every]
-        elapsed, busy, share = run_step(compiled, model, optimizer, dataset, work, device)
-        seconds, busy_all, loss = _gather_step(elapsed, busy, share, device)
-        predicted = sum(cost_model.time([lengths[i] for i in mb.indices], world_size) for mb in every)
-        result = StepResult(
-            seconds=seconds, busy=busy_all, loss=loss, tokens=step.tokens,
-            padded=sum(padded_tokens(dataset, mb.indices) for mb in every),
-            predicted=predicted, microbatches=len(every), sp_sizes={world_size: len(every)},
-        )
-        static_results.append(result)
-        say(f"step {step.step}: {len(every)} micro-batches at SP {world_size} | measured {seconds:.3f} s "
-            f"(predicted {predicted:.3f} s) | loss {loss:.4f} | {result.tokens_per_s:,.0f} tokens/s")
+        padded = sum(padded_tokens(dataset, mb.indices) for mb in every)
+        runs = {
+            "dcp": [(mb, dcp.Variant.of(mb), mb.group_ranks[0] == rank) for mb in step.microbatches],
+            "static": [(mb, static_variant, rank == 0) for mb in every],
+        }
+        lines = {}
+        for name in (("dcp", "static") if step.step % 2 == 0 else ("static", "dcp")):
+            model.load_state_dict(weights[name])
+            elapsed, busy, share = run_step(compiled, model, optimizers[name], dataset, runs[name], device)
+            weights[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            seconds, busy_all, loss = _gather_step(elapsed, busy, share, device)
+            if name == "dcp":
+                predicted = step.predicted_makespan
+                predicted_ranks = step.predicted_rank_times()
+                sp_counts: dict[int, int] = {}
+                for mb in every:
+                    sp_counts[mb.sp_size] = sp_counts.get(mb.sp_size, 0) + 1
+            else:
+                predicted = sum(cost_model.time([lengths[i] for i in mb.indices], world_size) for mb in every)
+                predicted_ranks = [predicted] * world_size
+                sp_counts = {world_size: len(every)}
+            result = StepResult(seconds=seconds, busy=busy_all, loss=loss, tokens=step.tokens, padded=padded,
+                                predicted=predicted, microbatches=len(every), sp_sizes=sp_counts)
+            results[name].append(result)
+            label = "DCP:   " if name == "dcp" else "static:"
+            lines[name] = (
+                f"{label} measured {seconds:.3f} s (predicted {predicted:.3f} s) | busy per rank "
+                + ", ".join(f"{b:.3f}" for b in busy_all) + " s (predicted "
+                + ", ".join(f"{p:.3f}" for p in predicted_ranks) + f") | loss {loss:.4f} | "
+                f"{result.tokens_per_s:,.0f} tokens/s"
+            )
+        say(lines["dcp"])
+        say(lines["static"] + f"  [{len(every)} micro-batches at SP {world_size}]")
+    dcp_results, static_results = results["dcp"], results["static"]
 
     summary = summarize(dcp_results, static_results, world_size)
     say("")
@@ -350,11 +354,15 @@ def warm_up(compiled, model: torch.nn.Module, variants: Sequence[dcp.Variant], d
     """Compile every variant for a batch of several samples and of one (dynamo specializes a
     dimension of size 1, so a batch of one sample is a second trace). Every rank runs the same
     list in the same order, so SP groups meet in their collectives."""
+    generator = torch.Generator().manual_seed(0)
     for batch in (2, 1):
-        ids = torch.arange(batch * WARMUP_LENGTH, device=device).remainder(VOCAB - 1).add(1).view(batch, WARMUP_LENGTH)
+        # Built by ``collate`` like every real batch: dynamo guards on how the inputs were made
+        # (a view of another tensor, or the same tensor passed twice, would trace again later).
+        samples = [torch.randint(1, VOCAB, (WARMUP_LENGTH,), generator=generator) for _ in range(batch)]
+        ids, labels = collate(samples, range(batch), device)
         for variant in variants:
             with dcp.use(variant):
-                loss = compiled(ids, ids)
+                loss = compiled(ids, labels)
             loss.backward()
     model.zero_grad(set_to_none=True)
 
@@ -382,22 +390,24 @@ def summarize(dcp_results: Sequence[StepResult], static_results: Sequence[StepRe
     )
     max_difference = max((abs(a.loss - b.loss) for a, b in zip(dcp_results, static_results)), default=0.0)
     padded = sum(r.padded for r in dcp_results)
-    mixes = sum((r.sp_sizes.get(1, 0) for r in dcp_results))
+    sp1_microbatches = sum(r.sp_sizes.get(1, 0) for r in dcp_results)
     total_mbs = sum(r.microbatches for r in dcp_results)
     lines += [
         "",
-        f"DCP/static > 1 means DCP was faster (throughput ratio, measured); 'predicted' is the cost model's ratio.",
+        "DCP/static > 1 means DCP was faster (throughput ratio, measured); 'predicted' is the cost model's ratio.",
         f"Losses: max |DCP - static| = {max_difference:.2e}. Both runs train the same tokens in the same "
         "micro-batches with the same loss weights, only the SP size differs, so they must agree to float "
         "rounding: this is the demo's correctness check.",
-        f"DCP ran {mixes} of {total_mbs} micro-batches on one rank (SP 1), the rest on SP groups; static SP ran "
+        f"DCP ran {sp1_microbatches} of {total_mbs} micro-batches on one rank (SP 1), the rest on SP groups; static SP ran "
         f"all {total_mbs} on all {world_size} ranks.",
         "What the numbers mean here: each rank is one single-threaded CPU process, and SP traffic (8 "
         "all-to-alls per attention layer and micro-batch) goes over gloo on loopback. A micro-batch at SP 1 "
         "skips that traffic and the per-call overhead of the sharded graph, and runs next to other ranks' "
-        "micro-batches; that is all DCP can win on 2 CPU processes, and timing noise on a shared machine is "
-        "a few percent. It says nothing about GPUs, where compute is ~1000x faster, NVLink is ~100x faster, "
-        "and memory caps (not a token cap set by the demo) force the long sequences onto SP groups.",
+        "micro-batches; that is all DCP can win on 2 CPU processes. Single steps are noisy on a shared "
+        "machine (other processes, the OS): compare the totals, and rerun before reading much into them. "
+        "It predicts nothing about GPUs, where one device computes thousands of times faster than a CPU "
+        "thread, NVLink moves data ~100x faster than loopback TCP, and real memory caps (not a token cap set "
+        "by the demo) force the long sequences onto SP groups.",
         f"TinyGPT has no varlen attention, so packed micro-batches are right-padded: "
         f"{100 * (padded - tokens) / max(padded, 1):.0f}% of the positions computed are padding, in both runs "
         "(tokens/s counts real tokens only). The planner assumes varlen packing and does not see the padding.",
@@ -423,7 +433,7 @@ def run_demo(world_size: int = 2, steps: int = 6, inner: str = "aot_eager", seed
     from dcp_compile.process_world import run_in_process_world
 
     print(f"dcp demo: {world_size}-process gloo world (one CPU thread each), TinyGPT, {steps} steps of "
-          f"variable-length data, DCP then static SP", flush=True)
+          f"variable-length data, each trained with DCP plans and with static SP", flush=True)
     start = time.perf_counter()
     run_in_process_world(_worker, world_size, steps, inner, seed, timeout=1800)
     print(f"total wall time {time.perf_counter() - start:.0f} s", flush=True)
