@@ -22,7 +22,11 @@ def _tensor_bytes(value: Any) -> int:
         return 0
     numel = 1
     for size in value.shape:
-        numel *= int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else int(size)
+        if isinstance(size, torch.SymInt):
+            # Unbacked sizes (mark_unbacked) have no hint: count them as 1, an estimate only.
+            numel *= int(size.node.hint) if size.node.hint is not None else 1
+        else:
+            numel *= int(size)
     return numel * value.element_size()
 
 
