@@ -7,6 +7,7 @@ activations and the backward all-to-alls can be read).
 
 from __future__ import annotations
 
+import operator
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -30,13 +31,45 @@ def _tensor_bytes(value: Any) -> int:
     return numel * value.element_size()
 
 
-def saved_activation_bytes(forward: fx.GraphModule, num_user_outputs: int | None = None) -> int:
-    """Bytes the forward graph returns beyond the user outputs: what backward keeps alive."""
+def _aliases_an_input(node: fx.Node) -> bool:
+    """A chain of views back to a graph input holds no memory of its own (``t`` of a weight)."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
+def _is_rng_state(node: fx.Node) -> bool:
+    """The generator state the partitioner saves so a recomputed seeded op draws the same numbers.
+
+    SDPA kernels carry the ``nondeterministic_seeded`` tag (for dropout) whatever their dropout
+    probability, so recomputing attention saves one state per attention: 16 bytes (seed, offset)
+    on CUDA, a 5,056-byte Mersenne-Twister state on CPU. It does not grow with the sequence, so it
+    is reported apart from the activations.
+    """
+    if node.op != "call_function" or node.target is not operator.getitem or node.args[1] != 0:
+        return False
+    source = node.args[0]
+    return isinstance(source, fx.Node) and source.target is torch._prims.rng_prims.run_and_save_rng_state
+
+
+def saved_for_backward(forward: fx.GraphModule, num_user_outputs: int | None = None) -> tuple[int, int]:
+    """(activation bytes, RNG-state bytes) the forward graph returns beyond the user outputs.
+
+    What backward keeps alive: graph inputs and views of them (weights, transposed weights) are
+    not counted, they live anyway.
+    """
     output = next(n for n in forward.graph.nodes if n.op == "output")
     values = list(output.args[0])
     saved = values[num_user_outputs:] if num_user_outputs is not None else values
-    placeholders = {n for n in forward.graph.nodes if n.op == "placeholder"}
-    return sum(_tensor_bytes(n.meta.get("val")) for n in saved if isinstance(n, fx.Node) and n not in placeholders)
+    activations = rng_states = 0
+    for node in saved:
+        if not isinstance(node, fx.Node) or _aliases_an_input(node):
+            continue
+        if _is_rng_state(node):
+            rng_states += _tensor_bytes(node.meta.get("val"))
+        else:
+            activations += _tensor_bytes(node.meta.get("val"))
+    return activations, rng_states
 
 
 def _dump(record: VariantRecord, name: str, code: str) -> None:
@@ -51,7 +84,7 @@ def _record_forward(record: VariantRecord, gm: fx.GraphModule, num_user_outputs:
     from dcp_compile.passes.pass_runner import readable
 
     record.forward_graph = readable(gm)
-    record.saved_activation_bytes = saved_activation_bytes(gm, num_user_outputs)
+    record.saved_activation_bytes, record.saved_rng_state_bytes = saved_for_backward(gm, num_user_outputs)
     _dump(record, "forward", record.forward_graph)
 
 

@@ -33,7 +33,8 @@ class VariantRecord:
     fallback_reason: str | None = None
     forward_graph: str | None = None
     backward_graph: str | None = None
-    saved_activation_bytes: int | None = None
+    saved_activation_bytes: int | None = None  # per rank, at the traced length; inputs and their views excluded
+    saved_rng_state_bytes: int = 0  # generator states kept so recomputed seeded ops (SDPA) repeat their draws
     compile_seconds: float = 0.0
     calls: int = 0
     graph: fx.GraphModule | None = None  # the transformed graph handed to the inner compiler
@@ -78,7 +79,8 @@ class GraphRecord:
             for gather in variant.gathers:
                 lines.append(f"    {gather}")
             if variant.saved_activation_bytes is not None:
-                lines.append(f"    activations saved for backward: {variant.saved_activation_bytes} bytes (symbolic sizes at the traced length)")
+                rng = f" + {variant.saved_rng_state_bytes} bytes of RNG state for recomputation" if variant.saved_rng_state_bytes else ""
+                lines.append(f"    activations saved for backward: {variant.saved_activation_bytes} bytes{rng} (symbolic sizes at the traced length)")
             lines.append("    passes: " + ", ".join(f"{p.name} ({p.seconds * 1000:.0f} ms)" for p in variant.passes))
         if self.dispatches:
             lines.append(f"  last dispatches (length -> variant, by what): "

@@ -5,7 +5,10 @@ AOTAutograd's min-cut partitioner reads ``node.meta["recompute"]`` (a ``Checkpoi
 backward recomputes what the policy says and keeps the rest:
 
 * ``none``: no tags of ours (the model's own checkpointed regions keep theirs);
-* ``attention``: attention is recomputed in backward from its saved inputs;
+* ``attention``: attention and the projections that make its queries, keys and values are
+  recomputed in backward (what lies between the projections' inputs and SDPA: views, head
+  repeats, rotary embeddings); under sequence parallelism the walk stops at the all-to-alls,
+  whose outputs are saved, so there only SDPA itself is recomputed;
 * ``selective``: no tags; the partitioner keeps ``memory_budget`` of the activation memory
   (``torch._functorch.config.activation_memory_budget``), choosing what to recompute itself;
 * ``full``: everything is recomputed from the graph inputs.
@@ -43,6 +46,35 @@ def is_random(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
+PROJECTIONS = {
+    torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+    torch.ops.aten.matmul.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default,
+    torch.ops.aten.einsum.default,
+}
+
+
+def attention_inputs_region(sdpa: fx.Node) -> list[fx.Node]:
+    """SDPA and everything from its q, k, v back to (and including) their projections.
+
+    The walk stops at graph inputs, at collectives (their outputs are saved under every policy)
+    and at the first matrix product on each path: the projection is recomputed, its input (the
+    normed hidden state, which its weight gradient needs anyway) stays saved.
+    """
+    region = [sdpa]
+    seen = {sdpa}
+    stack = [arg for arg in sdpa.args[:3] if isinstance(arg, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in seen or node.op != "call_function" or is_collective(node) or is_random(node):
+            continue
+        seen.add(node)
+        region.append(node)
+        if node.target in PROJECTIONS:
+            continue
+        stack.extend(arg for arg in node.all_input_nodes)
+    return region
+
+
 def _tag(node: fx.Node, policy: CheckpointPolicy) -> None:
     node.meta["recompute"] = policy
     node.meta["ac_graph_id"] = RECOMPUTE_GRAPH_ID
@@ -52,22 +84,24 @@ def recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     policy = ctx.recompute
     tagged = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if is_collective(node) or is_random(node):
+        if node.op == "call_function" and (is_collective(node) or is_random(node)):
             # Under every policy: the min-cut partitioner would otherwise be free to recompute a
             # cheap-looking collective in backward, and ranks whose graphs differ (every rank's
             # does) could then disagree on the collectives they issue, and hang.
             _tag(node, CheckpointPolicy.MUST_SAVE)
-            continue
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.meta.get("ac_graph_id") == RECOMPUTE_GRAPH_ID:
+            continue  # already ours: collectives and random ops, or a region tagged above
         if policy == "full":
             _tag(node, CheckpointPolicy.PREFER_RECOMPUTE)
             tagged += 1
         elif policy == "attention" and node.target is SDPA:
-            # MUST: attention's inputs are saved anyway (all-to-all outputs), so a soft preference
-            # loses to keeping the output and logsumexp, which is what this policy gives up.
-            _tag(node, CheckpointPolicy.MUST_RECOMPUTE)
-            tagged += 1
+            # MUST: a soft preference loses to keeping SDPA's output and logsumexp, which is
+            # exactly what this policy gives up.
+            for member in attention_inputs_region(node):
+                if member.meta.get("ac_graph_id") != RECOMPUTE_GRAPH_ID:
+                    _tag(member, CheckpointPolicy.MUST_RECOMPUTE)
+                    tagged += 1
     log.debug("dcp: recompute=%s tagged %d node(s) for recomputation", policy, tagged)
     return gm
 
