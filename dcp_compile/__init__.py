@@ -18,6 +18,7 @@ import torch._logging._internal as _torch_logging
 from dcp_compile.cost_model import RECOMPUTE_POLICIES, CalibrationPoint, CostModel, ModelProfile, video_attention_span
 from dcp_compile.gradient_sync import sync_gradients
 from dcp_compile.hardware import Hardware
+from dcp_compile.packing import PackedBatch, pack_sequences
 from dcp_compile.plan import GroupPlan, MicroBatch, Schedule, StepPlan
 from dcp_compile.planner import Planner, PlannerConfig, PlanningError
 from dcp_compile.process_groups import create_sp_groups
@@ -31,9 +32,9 @@ except Exception:  # pragma: no cover - logging registration is best effort
 
 __all__ = [
     "Bucket", "CalibrationPoint", "CostModel", "DataCentricSampler", "GroupPlan", "Hardware",
-    "MicroBatch", "ModelProfile", "PlanMismatchError", "Planner", "PlannerConfig", "PlanningError",
+    "MicroBatch", "ModelProfile", "PackedBatch", "PlanMismatchError", "Planner", "PlannerConfig", "PlanningError",
     "RECOMPUTE_POLICIES", "Schedule", "StepPlan", "Variant", "create_sp_groups", "explain",
-    "sync_gradients", "use", "video_attention_span",
+    "pack_sequences", "sync_gradients", "use", "video_attention_span",
 ]
 
 

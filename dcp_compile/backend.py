@@ -28,13 +28,14 @@ from dcp_compile.passes.pass_runner import run_passes
 from dcp_compile.passes.recompute import recompute_pass
 from dcp_compile.passes.sequence_dims import sequence_dims_pass
 from dcp_compile.passes.shard_sequence import shard_sequence_pass
+from dcp_compile.passes.use_varlen_attention import use_varlen_attention_pass
 from dcp_compile.process_groups import create_sp_groups
 from dcp_compile.record import GraphRecord
 
 log = logging.getLogger(__name__)
 
 ANALYSIS_PASSES = [find_attention_pass, sequence_dims_pass]
-VARIANT_PASSES = [shard_sequence_pass, insert_all_to_all_pass, recompute_pass]
+VARIANT_PASSES = [shard_sequence_pass, insert_all_to_all_pass, use_varlen_attention_pass, recompute_pass]
 
 _graph_ids = itertools.count()
 

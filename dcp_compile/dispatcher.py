@@ -8,6 +8,7 @@ variant. Variants compile lazily, on the first call that needs them, from the on
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -25,7 +26,7 @@ from dcp_compile.passes.context import PassContext
 from dcp_compile.passes.pass_runner import run_passes
 from dcp_compile.process_groups import sp_group
 from dcp_compile.record import GraphRecord, VariantRecord
-from dcp_compile.variants import BucketTable, Variant, active_variant
+from dcp_compile.variants import BucketTable, Variant, active_sequence_boundaries, active_variant
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ class Dispatcher:
         records = collecting_records()
         if records is not None and self.record not in records:
             records.append(self.record)
+        if variant.packed:
+            return compiled(*args, active_sequence_boundaries())
         return compiled(*args)
 
     def compile_variant(self, variant: Variant) -> Callable:
@@ -121,12 +124,21 @@ class Dispatcher:
         ctx = PassContext(
             fake_inputs=self.fake_inputs, fake_mode=self.fake_mode, sp_size=variant.sp_size,
             rank=group.rank, group_name=group.group_name if variant.sp_size > 1 else None,
-            recompute=variant.recompute, memory_budget=variant.memory_budget,
+            recompute=variant.recompute, memory_budget=variant.memory_budget, packed=variant.packed,
             record=self.record, variant_record=variant_record, analysis=self.analysis,
         )
         passes = self.variant_passes if variant.sp_size > 1 else [p for p in self.variant_passes if getattr(p, "runs_without_sharding", False)]
+        analysed = self.analysed
+        enabled = [p for p in passes if p.__name__ not in self.options.disable_passes
+                   and p.__name__.removesuffix("_pass") not in self.options.disable_passes]
+        if not (enabled and getattr(enabled[0], "returns_new_graph", False)):
+            # Later passes edit in place (recompute tags, varlen attention): without a pass that
+            # re-traces first, a variant works on its own copy of the shared analysed graph (node
+            # meta copied shallowly: fake values shared, tags not). The analysis refers to the
+            # original nodes, which only the re-tracing pass reads.
+            analysed = fx.GraphModule(self.analysed, copy.deepcopy(self.analysed.graph))
         gm = run_passes(
-            self.analysed, ctx, passes, variant=str(variant), disabled=self.options.disable_passes,
+            analysed, ctx, passes, variant=str(variant), disabled=self.options.disable_passes,
             graph_id=self.record.graph_id, debug_dir=self.options.debug_dir, records=variant_record.passes,
         )
         variant_record.graph = gm
@@ -134,7 +146,7 @@ class Dispatcher:
         inner = INNER_COMPILERS[self.options.inner]
         budget = variant.memory_budget if variant.recompute == "selective" else 1.0
         with functorch_config.patch(activation_memory_budget=budget):
-            compiled = inner(gm, self.fake_inputs, variant_record)
+            compiled = inner(gm, ctx.fake_inputs, variant_record)
         self.compiled[variant] = compiled
         variant_record.compile_seconds = time.perf_counter() - start
         log.info("dcp: graph %d variant %s compiled in %.2fs (%s)", self.record.graph_id, variant,

@@ -43,9 +43,14 @@ class TinyGPT(nn.Module):
         head_dim = hidden // heads
         self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).float()
-        angles = torch.outer(positions, self.inv_freq)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` ``[B, S]``: RoPE positions, for packed rows where they restart per sequence."""
+        if position_ids is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).float()
+            angles = torch.outer(positions, self.inv_freq)  # [S, D/2], broadcast over batch and heads
+        else:
+            angles = (position_ids.float()[..., None] * self.inv_freq).unsqueeze(1)  # [B, 1, S, D/2]
         cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
         x = self.embed(input_ids)
         for block in self.blocks:

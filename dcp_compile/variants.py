@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 RECOMPUTE_POLICIES = ("none", "attention", "selective", "full")
 
@@ -17,6 +19,7 @@ class Variant:
     sp_size: int = 1
     recompute: str = "none"
     memory_budget: float | None = None  # for recompute="selective": fraction of activation memory kept
+    packed: bool = False  # several sequences concatenated in one row: attention runs varlen over them
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE_POLICIES:
@@ -33,7 +36,7 @@ class Variant:
 
     def __str__(self) -> str:
         extra = f"({self.memory_budget:g})" if self.recompute == "selective" else ""
-        return f"sp={self.sp_size}/recompute={self.recompute}{extra}"
+        return f"sp={self.sp_size}/recompute={self.recompute}{extra}{'/packed' if self.packed else ''}"
 
     @classmethod
     def of(cls, plan: Any) -> "Variant":
@@ -47,7 +50,7 @@ class Variant:
                 f"dcp.use() needs an object with sp_size and recompute attributes (a MicroBatch "
                 f"or dcp.Variant(sp_size=..., recompute=...)), got {type(plan).__name__}"
             ) from None
-        return cls(int(sp_size), recompute or "none", getattr(plan, "memory_budget", None))
+        return cls(int(sp_size), recompute or "none", getattr(plan, "memory_budget", None), bool(getattr(plan, "packed", False)))
 
 
 @dataclass(frozen=True)
@@ -83,19 +86,53 @@ class BucketTable:
 _active = threading.local()
 
 
-def active_variant() -> Variant | None:
-    stack = getattr(_active, "stack", None)
-    return stack[-1] if stack else None
-
-
-@contextlib.contextmanager
-def use(plan: Any) -> Iterator[Variant]:
-    """Run the compiled model with the variant of ``plan`` (a MicroBatch or a ``Variant``)."""
-    variant = Variant.of(plan)
+def _stack() -> list[tuple[Variant, "torch.Tensor | None"]]:
     stack = getattr(_active, "stack", None)
     if stack is None:
         stack = _active.stack = []
-    stack.append(variant)
+    return stack
+
+
+def active_variant() -> Variant | None:
+    stack = getattr(_active, "stack", None)
+    return stack[-1][0] if stack else None
+
+
+def active_sequence_boundaries() -> "torch.Tensor | None":
+    """``cu_seqlens`` of the packed micro-batch ``dcp.use`` was given, or None."""
+    stack = getattr(_active, "stack", None)
+    return stack[-1][1] if stack else None
+
+
+def sequence_boundaries(sequence_lengths: Sequence[int]) -> "torch.Tensor":
+    """Cumulative lengths ``[0, l0, l0 + l1, ...]`` as a CPU int32 tensor (flash-attn's cu_seqlens)."""
+    import torch
+
+    lengths = [int(length) for length in sequence_lengths]
+    if not lengths or any(length < 1 for length in lengths):
+        raise ValueError(f"dcp.use: sequence_lengths must be positive lengths, one per packed sequence; got {lengths}")
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+@contextlib.contextmanager
+def use(plan: Any, sequence_lengths: Sequence[int] | None = None) -> Iterator[Variant]:
+    """Run the compiled model with the variant of ``plan`` (a MicroBatch or a ``Variant``).
+
+    ``sequence_lengths``: the batch is packed (batch 1, these sequences one after the other along
+    the sequence dimension, see ``dcp.pack_sequences``); attention keeps them apart with the varlen
+    kernel instead of padding. Taken from ``plan.sequence_lengths`` when ``plan.packed`` is true.
+    """
+    if sequence_lengths is None and getattr(plan, "packed", False):
+        sequence_lengths = getattr(plan, "sequence_lengths", None)
+        if sequence_lengths is None:
+            raise TypeError(f"dcp.use: {type(plan).__name__} says packed=True but has no sequence_lengths")
+    variant = Variant.of(plan)
+    boundaries = None
+    if sequence_lengths is not None:
+        boundaries = sequence_boundaries(sequence_lengths)
+        variant = dataclasses.replace(variant, packed=True)
+    stack = _stack()
+    stack.append((variant, boundaries))
     try:
         yield variant
     finally:

@@ -50,6 +50,17 @@ def _check_cu_seqlens_values(cu_seqlens: torch.Tensor, total: int, max_seqlen: i
         raise ValueError(f"max_seqlen={max_seqlen} is smaller than the longest sequence ({max(lengths)})")
 
 
+def _longest_sequence(cu_seqlens: torch.Tensor, max_seqlen: int) -> int:
+    """``max_seqlen`` as given, or read from ``cu_seqlens`` when it is 0 (how compiled graphs call
+    the op: the longest sequence changes every batch). Free for a CPU ``cu_seqlens``; a device one
+    costs a sync."""
+    if max_seqlen > 0:
+        return max_seqlen
+    if cu_seqlens.numel() < 2:
+        return 0
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
 def _triton_inputs(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """The kernels index the feature dim with stride 1; token and head strides may be anything."""
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
@@ -60,6 +71,7 @@ def _varlen_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
     max_seqlen: int, causal: bool, scale: Optional[float],
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    max_seqlen = _longest_sequence(cu_seqlens, max_seqlen)
     _check_cu_seqlens_values(cu_seqlens, q.shape[0], max_seqlen)
     sm_scale = _resolve_scale(scale, q.shape[-1])
     if kernel_backend(q) == "triton":
@@ -85,6 +97,7 @@ def _varlen_attention_bwd(
     max_seqlen: int, causal: bool, scale: Optional[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     sm_scale = _resolve_scale(scale, q.shape[-1])
+    max_seqlen = _longest_sequence(cu_seqlens, max_seqlen)
     if kernel_backend(q) == "triton":
         kernels = triton_module(_TRITON_MODULE, q.device)
         grad_out, q, k, v, out = _triton_inputs(grad_out, q, k, v, out)
@@ -160,7 +173,7 @@ def varlen_attention(
 
     q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (GQA when Hkv < Hq), ``cu_seqlens`` ``[N + 1]`` with
     ``cu_seqlens[0] == 0`` and ``cu_seqlens[-1] == T``, ``max_seqlen`` >= the longest sequence
-    (it sizes the launch grid). ``scale`` defaults to ``1/sqrt(D)``. Returns ``[T, Hq, D]``.
+    (it sizes the launch grid; 0 reads it from ``cu_seqlens``). ``scale`` defaults to ``1/sqrt(D)``. Returns ``[T, Hq, D]``.
     A CPU ``cu_seqlens`` is validated; a CUDA one is trusted (validating would sync the device).
     """
     _check_inputs(q, k, v, cu_seqlens)

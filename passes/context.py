@@ -25,6 +25,7 @@ class PassContext:
     group_name: str | None = None
     recompute: str = "none"
     memory_budget: float | None = None
+    packed: bool = False  # the batch packs several sequences (use_varlen_attention adds cu_seqlens)
     record: Any = None  # dcp_compile.record.GraphRecord
     variant_record: Any = None  # dcp_compile.record.VariantRecord
     analysis: dict[str, Any] = field(default_factory=dict)

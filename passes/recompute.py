@@ -21,6 +21,7 @@ a different mask.
 from __future__ import annotations
 
 import logging
+import operator
 
 import torch
 import torch.fx as fx
@@ -53,6 +54,15 @@ PROJECTIONS = {
 }
 
 
+def is_attention(node: fx.Node) -> bool:
+    """SDPA, or the varlen attention that replaced it in a packed variant."""
+    if node.op != "call_function":
+        return False
+    if node.target is SDPA:
+        return True
+    return str(node.target).startswith("dcp.varlen_attention_fwd")
+
+
 def attention_inputs_region(sdpa: fx.Node) -> list[fx.Node]:
     """SDPA and everything from its q, k, v back to (and including) their projections.
 
@@ -60,8 +70,9 @@ def attention_inputs_region(sdpa: fx.Node) -> list[fx.Node]:
     and at the first matrix product on each path: the projection is recomputed, its input (the
     normed hidden state, which its weight gradient needs anyway) stays saved.
     """
-    region = [sdpa]
-    seen = {sdpa}
+    outputs = [user for user in sdpa.users if user.target is operator.getitem]  # multi-output kernels
+    region = [sdpa, *outputs]
+    seen = set(region)
     stack = [arg for arg in sdpa.args[:3] if isinstance(arg, fx.Node)]
     while stack:
         node = stack.pop()
@@ -95,7 +106,7 @@ def recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if policy == "full":
             _tag(node, CheckpointPolicy.PREFER_RECOMPUTE)
             tagged += 1
-        elif policy == "attention" and node.target is SDPA:
+        elif policy == "attention" and is_attention(node):
             # MUST: a soft preference loses to keeping SDPA's output and logsumexp, which is
             # exactly what this policy gives up.
             for member in attention_inputs_region(node):

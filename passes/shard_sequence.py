@@ -416,3 +416,6 @@ def shard_sequence_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.variant_record.output_gathers = interpreter.output_gathers
         ctx.variant_record.fallback_reason = fallback_reason
     return sharded
+
+
+shard_sequence_pass.returns_new_graph = True  # always a re-trace: the analysed graph is left as it was
