@@ -119,10 +119,10 @@ def tinygpt_cost_model() -> dcp.CostModel:
 
 
 def sp_sizes_for(world_size: int) -> list[int]:
-    """The SP sizes the demo lets the planner choose: powers of two that divide the world (SP groups
-    must tile the world; the planner alone would also offer, say, SP 2 on a world of 3)."""
+    """The SP sizes the planner chooses from: powers of two up to the world (on 3 ranks SP 2 is
+    ranks 0-1; rank 2 then only gets SP-1 micro-batches)."""
     sizes = [1]
-    while world_size % (sizes[-1] * 2) == 0:
+    while sizes[-1] * 2 <= world_size:
         sizes.append(sizes[-1] * 2)
     return sizes
 

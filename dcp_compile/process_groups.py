@@ -1,5 +1,9 @@
 """Sequence-parallel process groups: aligned blocks of consecutive ranks, created once.
 
+A size need not divide the world: with 3 ranks the SP-2 group is ranks 0-1 and rank 2 is in no
+SP-2 group (the planner gives it SP-1 micro-batches); a rank asking for a size whose blocks leave
+it out gets an error that lists the blocks.
+
 ``new_group`` is itself a collective over the world: every rank must create every group, in the
 same order, or the job hangs. So all groups of all the sizes a job may use are created together on
 first use, and every rank then looks up the one block that contains it.
@@ -30,15 +34,15 @@ class SequenceParallelGroup:
 
 
 _groups: dict[int, SequenceParallelGroup] = {}
+_created_sizes: set[int] = set()
 _created_for_world: tuple[int, int] | None = None
 
 
 def default_sp_sizes(world_size: int) -> list[int]:
-    """Powers of two up to the world size, plus the world size itself."""
+    """Powers of two up to the world size (the planner's sizes), plus the world size itself."""
     sizes, size = [], 2
     while size <= world_size:
-        if world_size % size == 0:
-            sizes.append(size)
+        sizes.append(size)
         size *= 2
     if world_size > 1 and world_size not in sizes:
         sizes.append(world_size)
@@ -65,13 +69,14 @@ def validate_sp_size(sp_size: object, world_size: int | None = None) -> int:
                 "call of the compiled model (torchrun sets up the environment), or use sp_size=1"
             )
         world = dist.get_world_size() if world_size is None else world_size
-        if world % sp_size != 0:
-            divisors = [d for d in range(1, world + 1) if world % d == 0]
-            raise ValueError(
-                f"dcp: sp_size={sp_size} does not divide the world size {world}: SP groups are "
-                f"aligned blocks of consecutive ranks. Use one of {divisors}"
-            )
+        if sp_size > world:
+            raise ValueError(f"dcp: sp_size={sp_size} is larger than the world ({world} ranks); use at most {world}")
     return sp_size
+
+
+def blocks_of(sp_size: int, world_size: int) -> list[tuple[int, ...]]:
+    """The SP groups of one size: aligned blocks of consecutive ranks; a partial last block is none."""
+    return [tuple(range(block * sp_size, (block + 1) * sp_size)) for block in range(world_size // sp_size)]
 
 
 def create_sp_groups(extra_sizes: list[int] = ()) -> None:
@@ -85,16 +90,17 @@ def create_sp_groups(extra_sizes: list[int] = ()) -> None:
     world_key = (world_size, id(dist.group.WORLD))
     if _created_for_world != world_key:
         _groups.clear()
+        _created_sizes.clear()
         _created_for_world = world_key
-    sizes = sorted(set(default_sp_sizes(world_size)) | {s for s in extra_sizes if s > 1 and world_size % s == 0})
+    sizes = sorted(set(default_sp_sizes(world_size)) | {s for s in extra_sizes if 1 < s <= world_size})
     for size in sizes:  # the same order on every rank
-        if size in _groups:
+        if size in _created_sizes:
             continue
-        for block in range(world_size // size):
-            ranks = tuple(range(block * size, (block + 1) * size))
+        for ranks in blocks_of(size, world_size):
             group = dist.new_group(list(ranks))
             if rank in ranks:
                 _groups[size] = SequenceParallelGroup(size, rank - ranks[0], ranks, group)
+        _created_sizes.add(size)
         log.debug("created SP groups of size %d", size)
 
 
@@ -104,7 +110,16 @@ def sp_group(sp_size: int) -> SequenceParallelGroup:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         return SequenceParallelGroup(1, 0, (rank,), None)
     validate_sp_size(sp_size)
-    if sp_size not in _groups or _created_for_world != (dist.get_world_size(), id(dist.group.WORLD)):
+    if sp_size not in _created_sizes or _created_for_world != (dist.get_world_size(), id(dist.group.WORLD)):
         # Only safe when every rank gets here together (the first compile does).
         create_sp_groups([sp_size])
+    if sp_size not in _groups:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        blocks = blocks_of(sp_size, world)
+        raise ValueError(
+            f"dcp: rank {rank} is in no SP group of size {sp_size}: with {world} ranks the SP-{sp_size} "
+            f"groups are {[list(b) for b in blocks]} (aligned blocks of consecutive ranks) and ranks "
+            f"{list(range(len(blocks) * sp_size, world))} are left out. Give this rank a smaller SP size "
+            "(the DataCentricSampler's plans do)"
+        )
     return _groups[sp_size]

@@ -32,14 +32,30 @@ def test_sp_size_without_process_group():
         parse_options({"sp_size": 2})
 
 
-def _sp_size_not_dividing_world(rank, world_size):
-    with pytest.raises(ValueError, match=r"sp_size=3 does not divide the world size 2.*Use one of \[1, 2\]"):
+def _sp_size_larger_than_world(rank, world_size):
+    with pytest.raises(ValueError, match=r"sp_size=3 is larger than the world \(2 ranks\); use at most 2"):
         parse_options({"sp_size": 3})
     return True
 
 
-def test_sp_size_must_divide_world():
-    assert run_in_process_world(_sp_size_not_dividing_world, 2, timeout=120) == [True, True]
+def test_sp_size_must_fit_the_world():
+    assert run_in_process_world(_sp_size_larger_than_world, 2, timeout=120) == [True, True]
+
+
+def _rank_left_out_worker(rank, world_size):
+    """World 3: SP 2 is ranks 0-1; rank 2 is in no SP-2 group and is told so, without a hang."""
+    from dcp_compile.process_groups import sp_group
+
+    if rank < 2:
+        assert sp_group(2).ranks == (0, 1)
+    else:
+        with pytest.raises(ValueError, match=r"rank 2 is in no SP group of size 2.*\[\[0, 1\]\].*ranks \[2\] are left out"):
+            sp_group(2)
+    return True
+
+
+def test_sp_size_that_does_not_divide_the_world():
+    assert run_in_process_world(_rank_left_out_worker, 3, timeout=120) == [True, True, True]
 
 
 def test_compile_surfaces_option_errors():

@@ -89,6 +89,30 @@ def test_recompute_policies_keep_parity_through_the_partitioner():
     assert run_in_process_world(_recompute_parity_worker, 2, timeout=900) == [True, True]
 
 
+def _world_of_three_worker(rank, world_size):
+    """3 ranks: SP 2 on ranks 0-1 (one batch), SP 1 on rank 2 (another), in the same step."""
+    from dcp_compile.process_groups import sp_group
+
+    case = ZOO["gpt"]
+    model = case.build()
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager"})
+    sp_size, length = (2, 19) if rank < 2 else (1, 12)
+    with dcp.use(dcp.Variant(sp_size)):
+        group = sp_group(2).process_group if sp_size == 2 else None
+        actual = compiled_run(model, compiled, case, case.make_inputs(length), group=group, reduce=sp_size > 1)
+        record = dcp.explain(compiled, **case.make_inputs(length))  # runs the model: inside dcp.use
+    problems = compare(f"gpt-world3-sp{sp_size}", length, eager_reference(case, length), actual)
+    if problems:
+        raise AssertionError("\n".join(problems))
+    variant = record[0].variants[dcp.Variant(sp_size)]
+    return variant.collectives.get("all_to_all_single", 0) - variant.output_gathers
+
+
+def test_sp_groups_that_do_not_tile_the_world():
+    # Ulysses on ranks 0-1: 2 attentions x (q, k, v, out); rank 2 alone issues none
+    assert run_in_process_world(_world_of_three_worker, 3, timeout=600) == [8, 8, 0]
+
+
 def _inductor_worker(rank, world_size):
     case = ZOO["gpt"]
     model = case.build()
