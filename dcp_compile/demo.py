@@ -6,8 +6,9 @@
 1. builds the same synthetic dataset of long-tailed lengths (16 to 1024 tokens: most samples
    short, a few long) and the same :class:`~dcp_compile.example_models.TinyGPT`;
 2. compiles it once with ``torch.compile(model, backend="dcp", dynamic=True)`` and runs every
-   variant the job can need (each SP size, a batch of one sample and a batch of several), so that
-   no compile lands inside a timed step;
+   variant the job can need (each SP size, on packed rows: every micro-batch concatenates its
+   samples and attention runs the varlen kernel, see ``dcp.pack_sequences``), so that no compile
+   lands inside a timed step;
 3. builds a cost model for *this* model on *this* machine: the analytic TinyGPT profile on the CPU
    record, calibrated on a few timed micro-batches (each point timed on every rank, the slowest
    taken, so every rank fits the same model and derives the same plans);
@@ -97,8 +98,19 @@ def collate(dataset: Sequence[torch.Tensor], indices: Sequence[int], device: tor
     return ids.to(device), labels.to(device)
 
 
-def padded_tokens(dataset: Sequence[torch.Tensor], indices: Sequence[int]) -> int:
-    return len(indices) * max(len(dataset[i]) for i in indices)
+def pack(dataset: Sequence[torch.Tensor], indices: Sequence[int], device: torch.device) -> dcp.PackedBatch:
+    """A micro-batch as one packed row: no padding, attention kept apart by the varlen kernel.
+
+    ``dcp.pack_sequences`` ignores the label of each sequence's first token after the first, so the
+    row's loss is the mean token loss of its samples (``length - 1`` supervised tokens each), as
+    with right-padding, which is what ``loss_scale`` assumes.
+    """
+    return dcp.pack_sequences([dataset[i] for i in indices]).to(device)
+
+
+def packed_loss(compiled, variant: dcp.Variant, packed: dcp.PackedBatch) -> torch.Tensor:
+    with dcp.use(variant, sequence_lengths=packed.sequence_lengths):
+        return compiled(packed.input_ids, packed.labels, packed.position_ids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,13 +170,12 @@ def calibrate(cost_model: dcp.CostModel, compiled, model: torch.nn.Module, sp_si
 
     def measure(lengths: Sequence[int], sp_size: int, recompute: str) -> float:
         batch = [torch.randint(1, VOCAB, (n,), generator=generator) for n in lengths]
-        ids, labels = collate(batch, range(len(batch)), device)
+        packed = pack(batch, range(len(batch)), device)
         best = math.inf
         for _ in range(2):
             _barrier()
             start = time.perf_counter()
-            with dcp.use(dcp.Variant(sp_size, recompute)):
-                loss = compiled(ids, labels)
+            loss = packed_loss(compiled, dcp.Variant(sp_size, recompute), packed)
             loss.backward()
             _synchronize(device)
             best = min(best, time.perf_counter() - start)
@@ -182,8 +193,7 @@ class StepResult:
     seconds: float  # wall time of the step (the slowest rank, including gradient sync and optimizer)
     busy: list[float]  # per rank: forward/backward time before the gradient sync
     loss: float  # mean token loss over the step's global batch
-    tokens: int  # real tokens of the step (padding not counted)
-    padded: int  # tokens computed, padding included (each micro-batch counted once)
+    tokens: int  # tokens of the step (packed rows: every computed position is a token)
     predicted: float  # the cost model's step time
     microbatches: int = 0
     sp_sizes: dict[int, int] = field(default_factory=dict)  # SP size -> micro-batches
@@ -204,9 +214,7 @@ def run_step(compiled, model, optimizer, dataset, work: Sequence[tuple[dcp.Micro
     start = time.perf_counter()
     loss_share = 0.0
     for mb, variant, counts in work:
-        ids, labels = collate(dataset, mb.indices, device)
-        with dcp.use(variant):
-            loss = compiled(ids, labels) * mb.loss_scale
+        loss = packed_loss(compiled, variant, pack(dataset, mb.indices, device)) * mb.loss_scale
         loss.backward()
         if counts:
             loss_share += float(loss.detach())
@@ -259,8 +267,8 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
     warm_up(compiled, model, variants, device)
     compile_seconds = _world_max(time.perf_counter() - start, device)
     say(f"compiled TinyGPT ({sum(p.numel() for p in model.parameters()):,} parameters, inner={inner}) for "
-        f"{', '.join(str(v) for v in variants)}, for a batch of one sample and of several "
-        f"(2 dynamo traces: a batch of 1 is specialized), in {compile_seconds:.1f} s; not in the timings below")
+        f"{', '.join(str(v) + '/packed' for v in variants)} (one dynamo trace: every micro-batch is one packed "
+        f"row of any length and any number of samples) in {compile_seconds:.1f} s; not in the timings below")
 
     # -------------------------------------------------------------- cost model and sampler
     cost_model = tinygpt_cost_model()
@@ -302,7 +310,6 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
         say("")
         say(str(step))
         every = [mb for group in step.groups for mb in group.microbatches]  # the same order on every rank
-        padded = sum(padded_tokens(dataset, mb.indices) for mb in every)
         runs = {
             "dcp": [(mb, dcp.Variant.of(mb), mb.group_ranks[0] == rank) for mb in step.microbatches],
             "static": [(mb, static_variant, rank == 0) for mb in every],
@@ -323,7 +330,7 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
                 predicted = sum(cost_model.time([lengths[i] for i in mb.indices], world_size) for mb in every)
                 predicted_ranks = [predicted] * world_size
                 sp_counts = {world_size: len(every)}
-            result = StepResult(seconds=seconds, busy=busy_all, loss=loss, tokens=step.tokens, padded=padded,
+            result = StepResult(seconds=seconds, busy=busy_all, loss=loss, tokens=step.tokens,
                                 predicted=predicted, microbatches=len(every), sp_sizes=sp_counts)
             results[name].append(result)
             label = "DCP:   " if name == "dcp" else "static:"
@@ -351,19 +358,16 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
 
 
 def warm_up(compiled, model: torch.nn.Module, variants: Sequence[dcp.Variant], device: torch.device) -> None:
-    """Compile every variant for a batch of several samples and of one (dynamo specializes a
-    dimension of size 1, so a batch of one sample is a second trace). Every rank runs the same
-    list in the same order, so SP groups meet in their collectives."""
+    """Compile the packed variant of every SP size. Every micro-batch is one packed row, so one
+    dynamo trace serves every length and every number of sequences. Every rank runs the same list
+    in the same order, so SP groups meet in their collectives."""
     generator = torch.Generator().manual_seed(0)
-    for batch in (2, 1):
-        # Built by ``collate`` like every real batch: dynamo guards on how the inputs were made
-        # (a view of another tensor, or the same tensor passed twice, would trace again later).
-        samples = [torch.randint(1, VOCAB, (WARMUP_LENGTH,), generator=generator) for _ in range(batch)]
-        ids, labels = collate(samples, range(batch), device)
-        for variant in variants:
-            with dcp.use(variant):
-                loss = compiled(ids, labels)
-            loss.backward()
+    # Built by ``pack`` like every real batch: dynamo guards on how the inputs were made (a view
+    # of another tensor, or the same tensor passed twice, would trace again later).
+    samples = [torch.randint(1, VOCAB, (WARMUP_LENGTH // 2 + n,), generator=generator) for n in range(2)]
+    packed = pack(samples, range(len(samples)), device)
+    for variant in variants:
+        packed_loss(compiled, variant, packed).backward()
     model.zero_grad(set_to_none=True)
 
 
@@ -389,7 +393,6 @@ def summarize(dcp_results: Sequence[StepResult], static_results: Sequence[StepRe
         f"{tokens / static_seconds:>12,.0f}  {speedup:>9.2f}x  {predicted:>8.2f}x"
     )
     max_difference = max((abs(a.loss - b.loss) for a, b in zip(dcp_results, static_results)), default=0.0)
-    padded = sum(r.padded for r in dcp_results)
     sp1_microbatches = sum(r.sp_sizes.get(1, 0) for r in dcp_results)
     total_mbs = sum(r.microbatches for r in dcp_results)
     lines += [
@@ -408,9 +411,9 @@ def summarize(dcp_results: Sequence[StepResult], static_results: Sequence[StepRe
         "It predicts nothing about GPUs, where one device computes thousands of times faster than a CPU "
         "thread, NVLink moves data ~100x faster than loopback TCP, and real memory caps (not a token cap set "
         "by the demo) force the long sequences onto SP groups.",
-        f"TinyGPT has no varlen attention, so packed micro-batches are right-padded: "
-        f"{100 * (padded - tokens) / max(padded, 1):.0f}% of the positions computed are padding, in both runs "
-        "(tokens/s counts real tokens only). The planner assumes varlen packing and does not see the padding.",
+        "Micro-batches are packed rows (dcp.pack_sequences): the compiled model's attention runs the varlen "
+        "kernel over the sequence boundaries, so no computed position is padding, in both runs, which is "
+        "what the planner's cost model assumes (its cost is a sum over the packed sequences).",
     ]
     return {"table": "\n".join(lines), "max_loss_difference": max_difference, "speedup": speedup}
 

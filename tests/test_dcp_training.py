@@ -199,7 +199,7 @@ def test_dcp_backend_step_equals_mean_token_loss_over_the_global_batch() -> None
 
 
 def test_right_padded_batch_loss_is_the_mean_token_loss_of_its_samples() -> None:
-    """What the demo's and this file's collate rely on: padding adds no supervised tokens."""
+    """What this file's collate relies on: padding adds no supervised tokens."""
     dataset = make_dataset()
     model = make_model()
     indices = [0, 1, 2, 4]
