@@ -15,6 +15,7 @@ of the all-to-alls are the symbolic chunk lengths.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 
 from dcp_compile import collectives
@@ -155,24 +157,53 @@ def ulysses_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
     return out.squeeze(0) if three_dim else out
 
 
-class AllToAllInterpreter(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, ctx: PassContext):
-        super().__init__(gm)
-        self.ctx = ctx
-        self.sites = 0
+_MARKER_PARAMETERS = list(inspect.signature(sharded_attention_op.sharded_attention._init_fn).parameters)
 
-    def call_function(self, target, args, kwargs):
-        if target is SHARDED_ATTENTION:
-            self.sites += 1
-            return ulysses_attention(*args, **kwargs, sp_size=self.ctx.sp_size, rank=self.ctx.rank,
-                                     group=self.ctx.group_name)
-        return super().call_function(target, args, kwargs)
+
+def _marker_arguments(node: fx.Node) -> list[Any]:
+    """The marker's eleven arguments in schema order, whether given by position or keyword."""
+    values = list(node.args) + [None] * (len(_MARKER_PARAMETERS) - len(node.args))
+    for name, value in node.kwargs.items():
+        values[_MARKER_PARAMETERS.index(name)] = value
+    return values
+
+
+def _splice(gm: fx.GraphModule, marker: fx.Node, ctx: PassContext, site: int) -> None:
+    """Replace one marker by the traced Ulysses subgraph, traced on the marker's own inputs only.
+
+    Re-tracing just this attention (a few dozen ops) instead of the whole model is what keeps a
+    variant's compile cost close to its inner compiler's: the rest of the graph is left as it is.
+    """
+    values = _marker_arguments(marker)
+    graph_positions = [i for i, value in enumerate(values) if isinstance(value, fx.Node)]
+
+    def lower(*graph_values: Any) -> torch.Tensor:
+        arguments = list(values)
+        for position, value in zip(graph_positions, graph_values):
+            arguments[position] = value
+        return ulysses_attention(*arguments, sp_size=ctx.sp_size, rank=ctx.rank, group=ctx.group_name)
+
+    # the site's stack trace and tags follow into every op of its lowering
+    with fx_traceback.preserve_node_meta(), fx_traceback.set_current_meta(marker):
+        subgraph = retrace(lower, [values[i].meta["val"] for i in graph_positions], ctx.fake_mode)
+    for node in subgraph.graph.find_nodes(op="get_attr"):  # constants (head indices) move over
+        name = f"_dcp_ulysses{site}_{node.target}"
+        setattr(gm, name, getattr(subgraph, node.target))
+        node.target = name
+    placeholders = subgraph.graph.find_nodes(op="placeholder")
+    with gm.graph.inserting_before(marker):
+        result = gm.graph.graph_copy(subgraph.graph, {ph: values[i] for ph, i in zip(placeholders, graph_positions)})
+    marker.replace_all_uses_with(result)
+    gm.graph.erase_node(marker)
 
 
 def insert_all_to_all_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if not any(node.target is SHARDED_ATTENTION for node in gm.graph.nodes):
+    markers = list(gm.graph.find_nodes(op="call_function", target=SHARDED_ATTENTION))
+    if not markers:
         return gm
-    interpreter = AllToAllInterpreter(gm, ctx)
-    lowered = retrace(interpreter.run, ctx.fake_inputs, ctx.fake_mode)
-    log.info("dcp: Ulysses all-to-all around %d attention site(s)", interpreter.sites)
-    return lowered
+    for site, marker in enumerate(markers):
+        _splice(gm, marker, ctx, site)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    log.info("dcp: Ulysses all-to-all around %d attention site(s)", len(markers))
+    return gm

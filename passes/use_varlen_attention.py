@@ -106,7 +106,8 @@ def use_varlen_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
             unflat = _call(graph, ctx.fake_mode, aten.view_as.default, out, tokens_first[0])
             result = _call(graph, ctx.fake_mode, aten.transpose.int, unflat, 1, 2)
         for node in (*tokens_first, *flat, attention, out, unflat, result):
-            node.meta.setdefault("stack_trace", sdpa.meta.get("stack_trace"))
+            if sdpa.meta.get("stack_trace"):
+                node.meta.setdefault("stack_trace", sdpa.meta["stack_trace"])
             if "recompute" in sdpa.meta:
                 node.meta["recompute"], node.meta["ac_graph_id"] = sdpa.meta["recompute"], sdpa.meta.get("ac_graph_id")
         sdpa.replace_all_uses_with(result)
