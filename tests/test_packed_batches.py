@@ -92,6 +92,62 @@ def test_packed_rows_through_the_triton_kernels():
     assert results[0] == ["sp=2/recompute=none/packed"]
 
 
+def _huggingface_worker(rank, world_size):
+    """LlamaForCausalLM (GQA 4/2) with attn_implementation='dcp': packed rows at SP 1 and SP 2."""
+    from dcp_compile.huggingface import use_packed_attention
+    from model_zoo import tiny_llama
+
+    torch.manual_seed(0)
+    model = tiny_llama()
+    sequences = [torch.randint(2, 100, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 1, 6)]
+    model.zero_grad(set_to_none=True)
+    targets = sum(s.numel() - 1 for s in sequences)
+    expected = sum(model(input_ids=s[None], labels=s[None]).loss * (s.numel() - 1) for s in sequences if s.numel() > 1) / targets
+    expected.backward()  # eager reference with Hugging Face's own sdpa attention, one sequence at a time
+    expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    use_packed_attention(model)
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "aot_eager"})
+    packed = dcp.pack_sequences(sequences)
+    problems = []
+    for sp_size in (1, 2):
+        model.zero_grad(set_to_none=True)
+        with dcp.use(dcp.Variant(sp_size), sequence_lengths=packed.sequence_lengths):
+            loss = compiled(input_ids=packed.input_ids, labels=packed.labels, position_ids=packed.position_ids).loss
+        loss.backward()
+        if not torch.allclose(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-6):
+            problems.append(f"sp={sp_size}: loss {loss.item()} != {expected.item()}")
+        for name, param in model.named_parameters():
+            grad = param.grad.clone()
+            if sp_size > 1:
+                dist.all_reduce(grad)
+            if not torch.allclose(grad, expected_grads[name], rtol=1e-4, atol=1e-6):
+                problems.append(f"sp={sp_size}: grad {name} differs by {(grad - expected_grads[name]).abs().max().item():.3g}")
+    with dcp.use(dcp.Variant(2), sequence_lengths=packed.sequence_lengths):
+        variant = dcp.explain(compiled, input_ids=packed.input_ids, labels=packed.labels,
+                              position_ids=packed.position_ids)[0].variants[dcp.Variant(2, packed=True)]
+    if problems:
+        raise AssertionError("\n".join(problems))
+    return variant.collectives.get("all_to_all_single", 0) - variant.output_gathers, [str(g) for g in variant.gathers]
+
+
+def test_huggingface_llama_packed_with_dcp_attention():
+    pytest.importorskip("transformers", reason="needs `pip install .[hf]`")
+    results = run_in_process_world(_huggingface_worker, 2, timeout=900)
+    all_to_alls, gathers = results[0]
+    assert all_to_alls == 8, results[0]  # Ulysses only: 2 attentions x (q, k, v, out)
+
+
+def test_huggingface_dcp_attention_refuses_padding_masks():
+    pytest.importorskip("transformers", reason="needs `pip install .[hf]`")
+    from dcp_compile.huggingface import use_packed_attention
+    from model_zoo import tiny_llama
+
+    model = use_packed_attention(tiny_llama())
+    ids = torch.randint(2, 100, (2, 6))
+    with pytest.raises(ValueError, match="attn_implementation='dcp' got an attention mask"):
+        model(input_ids=ids, attention_mask=torch.tensor([[1] * 6, [1] * 4 + [0] * 2]))
+
+
 @pytest.fixture
 def fake_world():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
