@@ -11,6 +11,7 @@
 #                     | all (also the CPU/interpreter cases) | none
 #   GPU_CHECK_BENCH   quick (default) | full | none
 #   GPU_CHECK_TIMEOUT seconds per step (default 420)
+#   GPU_CHECK_PACKED  yes (default: benchmarks/packed_vs_padded.py on CUDA, packed_vs_padded_cuda.md/.csv) | no
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -60,6 +61,17 @@ if [ "$BENCH" != "none" ]; then
   bench_rc=${PIPESTATUS[0]}
   echo "kernel benchmark exit code: $bench_rc"
   [ "$bench_rc" -eq 0 ] || status=1
+fi
+
+# End to end on the GPU: packed rows through the compiled model (Triton varlen) against padded SDPA.
+if [ "${GPU_CHECK_PACKED:-yes}" != "no" ] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  echo "== packed vs padded micro-batches (CUDA)"
+  PYTHONPATH=. timeout "$STEP_TIMEOUT" python benchmarks/packed_vs_padded.py --device cuda --repeats 5 2>&1 \
+      | tee "$OUT_DIR/packed_vs_padded.log"
+  packed_rc=${PIPESTATUS[0]}
+  cp benchmarks/results/packed_vs_padded_cuda.* "$OUT_DIR/" 2>/dev/null || true
+  echo "packed benchmark exit code: $packed_rc"
+  [ "$packed_rc" -eq 0 ] || status=1
 fi
 
 exit "$status"
