@@ -35,7 +35,6 @@ import argparse
 import copy
 import csv
 import os
-import platform
 import statistics
 import sys
 import time
@@ -47,6 +46,9 @@ import torch
 import dcp_compile as dcp
 from dcp_compile.backend import dcp_backend
 from dcp_compile.example_models import TinyGPT
+
+import run_description  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from run_description import library_version  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOAD = [float("nan"), float("nan")]  # 1-minute load average at the start and the end of the run
@@ -334,32 +336,8 @@ def measure_compile(inner: str, counts: list[int], repeats: int) -> tuple[list[d
 
 
 # --------------------------------------------------------------------------- report
-def library_version() -> str:
-    """The commit the library was at when this ran (others edit the repository concurrently)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "dcp_compile", "passes", "kernels"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{commit}{' + uncommitted library changes' if dirty else ''}" if commit else "unknown"
-
-
 def machine() -> str:
-    cpu = platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores (shared, noisy), torch {torch.__version__}, Python "
-            f"{platform.python_version()}, {torch.get_num_threads()} intra-op thread(s), no process group")
+    return f"{run_description.machine()}, " + f"{torch.get_num_threads()} intra-op thread(s), no process group"
 
 
 def write(dispatch_rows: list[dict], compile_rows: list[dict], plain: dict, cfg: dict, elapsed: float) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +32,8 @@ import torch
 import dcp_compile as dcp
 from dcp_compile.demo import collate, long_tailed_lengths, pack
 from dcp_compile.example_models import TinyGPT
+
+from run_description import library_version, machine  # noqa: E402  (benchmarks/ is on sys.path)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # (name, number of sequences, shortest, longest): mixes like the planner's packed micro-batches
@@ -65,18 +66,6 @@ def step(compiled, model, batch, packed: bool, device: torch.device) -> tuple[fl
     elapsed = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
     return elapsed, float(loss.detach())
-
-
-def machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    cpu = platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores (shared, noisy), {torch.get_num_threads()} thread(s), torch {torch.__version__}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +126,7 @@ def write(rows: list[dict], args: argparse.Namespace, device: torch.device, elap
     lines = [
         "# Packed (varlen) vs right-padded micro-batches",
         "",
-        f"Machine: {machine(device)}; 1-minute load average {load_start:.1f} at the start, {load_end:.1f} at the end. "
+        f"Library at commit {library_version()}. Machine: {machine(device)}, {torch.get_num_threads()} thread(s); 1-minute load average {load_start:.1f} at the start, {load_end:.1f} at the end. "
         f"TinyGPT (vocab 512, hidden 128, 2 layers, 4 heads), `backend='dcp'`, inner `{args.inner}`, SP 1, forward + "
         f"backward. Packed attention: {kernel}. {args.repeats} timed pairs per mix in alternating order after a warm-up; "
         f"speedup = median of the per-pair ratios padded / packed (range in parentheses). Run took {elapsed:.0f} s: "

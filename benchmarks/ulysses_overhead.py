@@ -30,7 +30,6 @@ import argparse
 import copy
 import csv
 import os
-import platform
 import random
 import statistics
 import sys
@@ -45,6 +44,9 @@ import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_reduce, all_to_all_single_autograd
 
 from dcp_compile.example_models import TinyGPT, rotate
+
+import run_description  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from run_description import library_version  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOAD = [float("nan"), float("nan")]  # 1-minute load average at the start and the end of the run
@@ -334,32 +336,8 @@ def summarize(results: list[dict], cfg: dict) -> tuple[list[dict], dict]:
     return rows, extra
 
 
-def library_version() -> str:
-    """The commit the library was at when this ran (others edit the repository concurrently)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "dcp_compile", "passes", "kernels"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{commit}{' + uncommitted library changes' if dirty else ''}" if commit else "unknown"
-
-
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores (shared, noisy), torch {torch.__version__}, "
-            f"Python {platform.python_version()}, gloo on localhost, 1 thread per rank")
+    return f"{run_description.machine()}, " + "gloo on localhost, 1 thread per rank"
 
 
 def write(rows: list[dict], extra: dict, cfg: dict, elapsed: float) -> None:
