@@ -8,22 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dcp_compile as dcp
 from model_zoo import ZOO
 
 A2A = "_c10d_functional.all_to_all_single.default("
-
-
-@pytest.fixture
-def fake_world():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    torch._dynamo.reset()
-    yield
-    dist.destroy_process_group()
-    torch._dynamo.reset()
 
 
 def compile_and_explain(name: str, length: int = 12):

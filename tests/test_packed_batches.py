@@ -12,7 +12,6 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dcp_compile as dcp
 from dcp_compile.example_models import TinyGPT
@@ -146,15 +145,6 @@ def test_huggingface_dcp_attention_refuses_padding_masks():
     ids = torch.randint(2, 100, (2, 6))
     with pytest.raises(ValueError, match="attn_implementation='dcp' got an attention mask"):
         model(input_ids=ids, attention_mask=torch.tensor([[1] * 6, [1] * 4 + [0] * 2]))
-
-
-@pytest.fixture
-def fake_world():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    torch._dynamo.reset()
-    yield
-    dist.destroy_process_group()
-    torch._dynamo.reset()
 
 
 def test_packed_variant_replaces_every_attention_and_adds_no_collective(fake_world):
