@@ -23,7 +23,7 @@ from torch._functorch import config as functorch_config
 from dcp_compile.config import DCPOptions
 from dcp_compile.inner_compilers import INNER_COMPILERS
 from dcp_compile.passes.context import PassContext
-from dcp_compile.passes.pass_runner import run_passes
+from dcp_compile.passes.pass_runner import is_disabled, run_passes
 from dcp_compile.process_groups import sp_group
 from dcp_compile.record import GraphRecord, VariantRecord
 from dcp_compile.variants import BucketTable, Variant, active_sequence_boundaries, active_variant
@@ -129,8 +129,7 @@ class Dispatcher:
         )
         passes = self.variant_passes if variant.sp_size > 1 else [p for p in self.variant_passes if getattr(p, "runs_without_sharding", False)]
         analysed = self.analysed
-        enabled = [p for p in passes if p.__name__ not in self.options.disable_passes
-                   and p.__name__.removesuffix("_pass") not in self.options.disable_passes]
+        enabled = [p for p in passes if not is_disabled(p, self.options.disable_passes)]
         if not (enabled and getattr(enabled[0], "returns_new_graph", False)):
             # Later passes edit in place (recompute tags, varlen attention): without a pass that
             # re-traces first, a variant works on its own copy of the shared analysed graph (node

@@ -34,6 +34,12 @@ def _debug_path(debug_dir: str, graph_id: int, variant: str, index: int, name: s
     return Path(debug_dir) / f"graph{graph_id}" / safe_variant / f"{index:02d}_{name}.py"
 
 
+def is_disabled(graph_pass: GraphPass, disabled: Sequence[str]) -> bool:
+    """A pass is named in ``disable_passes`` with or without its ``_pass`` suffix."""
+    name = graph_pass.__name__
+    return name in disabled or name.removesuffix("_pass") in disabled
+
+
 def run_passes(
     gm: fx.GraphModule,
     ctx: PassContext,
@@ -48,7 +54,7 @@ def run_passes(
     debug_dir = debug_dir or os.environ.get("DCP_DEBUG_DIR")
     for index, graph_pass in enumerate(passes):
         name = graph_pass.__name__
-        if name in disabled or name.removesuffix("_pass") in disabled:
+        if is_disabled(graph_pass, disabled):
             log.info("dcp: pass %s disabled", name)
             continue
         before = readable(gm)

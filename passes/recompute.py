@@ -29,6 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from dcp_compile.passes.context import PassContext
 from dcp_compile.passes.find_attention import SDPA
+from dcp_compile.passes.use_varlen_attention import VARLEN_ATTENTION
 
 log = logging.getLogger(__name__)
 RECOMPUTE_GRAPH_ID = 4242
@@ -56,11 +57,7 @@ PROJECTIONS = {
 
 def is_attention(node: fx.Node) -> bool:
     """SDPA, or the varlen attention that replaced it in a packed variant."""
-    if node.op != "call_function":
-        return False
-    if node.target is SDPA:
-        return True
-    return str(node.target).startswith("dcp.varlen_attention_fwd")
+    return node.op == "call_function" and (node.target is SDPA or node.target is VARLEN_ATTENTION)
 
 
 def attention_inputs_region(sdpa: fx.Node) -> list[fx.Node]:
