@@ -430,7 +430,7 @@ def commentary(rows: list[dict], extra: dict, cfg: dict) -> list[str]:
     lines.append(
         f"- Compile: dcp's first call costs {c['dcp'] / c['plain']:.2f}x a plain torch.compile of the unchanged model and "
         f"{c['dcp'] / c['hand']:.2f}x the hand-written model's: dynamo traces once in all three; dcp adds its ATen "
-        "re-trace and analysis, and the sharding passes, which re-trace the graph (see the record line). That cost is "
+        "re-trace and analysis, and the sharding pass (which re-traces the graph) and the all-to-all lowering (traced per attention; see the record line). That cost is "
         "paid once per model; a new length does not recompile (one graph for both lengths, above).")
     return lines
 
