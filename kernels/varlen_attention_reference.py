@@ -14,19 +14,43 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """Scaled scores ``[Hq, L, L]`` for one sequence; k already expanded to the query heads."""
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Scaled scores ``[Hq, L, L]`` for one range; k already expanded to the query heads."""
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    if causal:
-        length = q.shape[0]
-        future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
-        s = s.masked_fill(future, float("-inf"))
-    return s
+    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
 
 
 def _bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     cu = cu_seqlens.tolist()
     return [(cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+
+
+def _ranges(cu_seqlens: torch.Tensor, total: int) -> tuple[list[tuple[int, int]], bool]:
+    """The token ranges to compute densely, and whether that is the whole row at once.
+
+    A Python loop over many short sequences costs more in per-op overhead than their attention;
+    when the row's ``T^2`` scores are not much more than the sequences' ``sum L^2`` (or the row is
+    short), one pass over the row with a block-diagonal mask does the same math faster.
+    """
+    bounds = [(start, end) for start, end in _bounds(cu_seqlens) if end > start]
+    squares = sum((end - start) ** 2 for start, end in bounds)
+    if len(bounds) > 1 and (total <= 512 or total * total <= 4 * squares):
+        return [(0, total)], True
+    return bounds, False
+
+
+def _allowed(cu_seqlens: torch.Tensor | None, length: int, causal: bool, device: torch.device) -> torch.Tensor | None:
+    """``[L, L]``: which keys each query may see; ``cu_seqlens`` given when the range is the whole
+    packed row (then only keys of the query's own sequence)."""
+    mask = None
+    if cu_seqlens is not None:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=device, dtype=torch.long)
+        sequence = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+        mask = sequence[:, None] == sequence[None, :]
+    if causal:
+        past = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        mask = past if mask is None else mask & past
+    return mask
 
 
 def attention_forward(
@@ -39,13 +63,12 @@ def attention_forward(
     ct = _compute_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=ct, device=q.device)
     lse = torch.full((hq, total), float("-inf"), dtype=torch.float32, device=q.device)
-    for start, end in _bounds(cu_seqlens):
-        if end == start:
-            continue
+    ranges, whole_row = _ranges(cu_seqlens, total)
+    for start, end in ranges:
         qs = q[start:end].to(ct)
         ks = k[start:end].to(ct).repeat_interleave(group, dim=1)
         vs = v[start:end].to(ct).repeat_interleave(group, dim=1)
-        s = _scores(qs, ks, scale, causal)
+        s = _scores(qs, ks, scale, _allowed(cu_seqlens if whole_row else None, end - start, causal, q.device))
         row_lse = torch.logsumexp(s, dim=-1)  # [Hq, L]
         p = torch.exp(s - row_lse[..., None])
         out[start:end] = torch.einsum("hqk,khd->qhd", p, vs)
@@ -66,15 +89,15 @@ def attention_backward(
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
     dk = torch.zeros(k.shape, dtype=ct, device=q.device)
     dv = torch.zeros(v.shape, dtype=ct, device=q.device)
-    for start, end in _bounds(cu_seqlens):
-        if end == start:
-            continue
+    ranges, whole_row = _ranges(cu_seqlens, q.shape[0])
+    for start, end in ranges:
         length = end - start
         qs = q[start:end].to(ct)
         ks = k[start:end].to(ct).repeat_interleave(group, dim=1)
         vs = v[start:end].to(ct).repeat_interleave(group, dim=1)
         dos = grad_out[start:end].to(ct)
-        p = torch.exp(_scores(qs, ks, scale, causal) - lse[:, start:end].to(ct)[..., None])
+        allowed = _allowed(cu_seqlens if whole_row else None, length, causal, q.device)
+        p = torch.exp(_scores(qs, ks, scale, allowed) - lse[:, start:end].to(ct)[..., None])
         delta = (dos * out[start:end].to(ct)).sum(-1).transpose(0, 1)  # [Hq, L]
         dp = torch.einsum("qhd,khd->hqk", dos, vs)
         ds = p * (dp - delta[..., None])

@@ -117,6 +117,20 @@ def test_reference_backend_matches_sdpa(device, monkeypatch: pytest.MonkeyPatch)
     check_against_sdpa([12, 3], 4, 1, 16, torch.float16, False, device)
 
 
+@pytest.mark.parametrize("lengths", [[300, 280, 40], [60] * 10], ids=["one-pass", "per-sequence"])
+def test_reference_both_strategies(monkeypatch: pytest.MonkeyPatch, lengths) -> None:
+    """The torch path computes a row in one block-diagonal pass when the row's T^2 is within 4x of
+    sum L^2, and sequence by sequence otherwise: both against SDPA on each sequence."""
+    from dcp_compile.kernels import varlen_attention_reference as reference
+
+    total = sum(lengths)
+    expected_whole_row = len(lengths) == 3
+    assert reference._ranges(cu_from_lengths(lengths, torch.device("cpu")), total)[1] is expected_whole_row
+    monkeypatch.setenv("DCP_KERNELS", "torch")
+    check_against_sdpa(lengths, 2, 1, 8, torch.float32, True, torch.device("cpu"))
+    check_against_sdpa(lengths, 2, 2, 8, torch.float32, False, torch.device("cpu"), seed=1)
+
+
 def test_strided_inputs_and_empty_sequence(device) -> None:
     """q, k, v as views of one packed qkv projection, and a zero-length sequence in cu_seqlens."""
     gen = torch.Generator().manual_seed(3)
