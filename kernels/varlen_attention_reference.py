@@ -29,12 +29,12 @@ def _ranges(cu_seqlens: torch.Tensor, total: int) -> tuple[list[tuple[int, int]]
     """The token ranges to compute densely, and whether that is the whole row at once.
 
     A Python loop over many short sequences costs more in per-op overhead than their attention;
-    when the row's ``T^2`` scores are not much more than the sequences' ``sum L^2`` (or the row is
+    when the row's ``T^2`` scores are within 2x of the sequences' ``sum L^2`` (or the row is
     short), one pass over the row with a block-diagonal mask does the same math faster.
     """
     bounds = [(start, end) for start, end in _bounds(cu_seqlens) if end > start]
     squares = sum((end - start) ** 2 for start, end in bounds)
-    if len(bounds) > 1 and (total <= 512 or total * total <= 4 * squares):
+    if len(bounds) > 1 and (total <= 512 or total * total <= 2 * squares):
         return [(0, total)], True
     return bounds, False
 
