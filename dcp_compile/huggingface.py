@@ -55,8 +55,14 @@ def _no_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: A
 
 def register() -> str:
     """Register ``"dcp"`` with Hugging Face's attention and mask interfaces; returns the name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as error:
+        raise ImportError(
+            "dcp_compile.huggingface needs a transformers release with AttentionInterface and "
+            f"masking_utils.AttentionMaskInterface (the one installed lacks them: {error}); upgrade transformers"
+        ) from error
 
     AttentionInterface.register(ATTENTION_IMPLEMENTATION, dcp_attention_forward)
     AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, _no_mask)
@@ -66,5 +72,8 @@ def register() -> str:
 def use_packed_attention(model: torch.nn.Module) -> torch.nn.Module:
     """Switch a Hugging Face model to ``attn_implementation="dcp"`` (in place; returns it)."""
     register()
-    model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
+    else:  # releases before set_attn_implementation read the config at every forward
+        model.config._attn_implementation = ATTENTION_IMPLEMENTATION
     return model
