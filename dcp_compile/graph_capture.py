@@ -107,6 +107,27 @@ def retrace(function: Callable[..., Any], fake_inputs: Sequence[Any], fake_mode:
         return make_fx(function, pre_dispatch=True, record_module_stack=False)(*fake_inputs)
 
 
+def splice_traced(gm: fx.GraphModule, node: fx.Node, function: Callable[..., Any], inputs: Sequence[fx.Node],
+                  fake_mode: Any) -> fx.Node:
+    """Replace ``node`` by the ATen graph of ``function(*inputs)``, traced on those inputs alone.
+
+    Re-tracing one site (a few dozen ops) instead of the whole model keeps a per-variant pass
+    cheap. The new ops carry ``node``'s stack trace and recompute tags, as a whole re-trace would.
+    """
+    with fx_traceback.preserve_node_meta(), fx_traceback.set_current_meta(node):
+        subgraph = retrace(function, [n.meta["val"] for n in inputs], fake_mode)
+    for constant in subgraph.graph.find_nodes(op="get_attr"):  # lifted constants move over
+        name = f"_dcp_{node.name}_{constant.target}"
+        setattr(gm, name, getattr(subgraph, constant.target))
+        constant.target = name
+    placeholders = subgraph.graph.find_nodes(op="placeholder")
+    with gm.graph.inserting_before(node):
+        result = gm.graph.graph_copy(subgraph.graph, dict(zip(placeholders, inputs)))
+    node.replace_all_uses_with(result)
+    gm.graph.erase_node(node)
+    return result
+
+
 def interpret(gm: fx.GraphModule) -> Callable[..., Any]:
     def run(*args: Any) -> Any:
         return fx.Interpreter(gm).run(*args)

@@ -23,11 +23,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 
 from dcp_compile import collectives
-from dcp_compile.graph_capture import retrace
+from dcp_compile.graph_capture import splice_traced
 from dcp_compile.passes import sharded_attention_op  # noqa: F401
 from dcp_compile.passes.context import PassContext
 from dcp_compile.sequence_chunks import chunk_lengths
@@ -168,12 +167,8 @@ def _marker_arguments(node: fx.Node) -> list[Any]:
     return values
 
 
-def _splice(gm: fx.GraphModule, marker: fx.Node, ctx: PassContext, site: int) -> None:
-    """Replace one marker by the traced Ulysses subgraph, traced on the marker's own inputs only.
-
-    Re-tracing just this attention (a few dozen ops) instead of the whole model is what keeps a
-    variant's compile cost close to its inner compiler's: the rest of the graph is left as it is.
-    """
+def _lower_marker(gm: fx.GraphModule, marker: fx.Node, ctx: PassContext) -> None:
+    """Replace one marker by its Ulysses lowering, traced on the marker's own inputs."""
     values = _marker_arguments(marker)
     graph_positions = [i for i, value in enumerate(values) if isinstance(value, fx.Node)]
 
@@ -183,26 +178,15 @@ def _splice(gm: fx.GraphModule, marker: fx.Node, ctx: PassContext, site: int) ->
             arguments[position] = value
         return ulysses_attention(*arguments, sp_size=ctx.sp_size, rank=ctx.rank, group=ctx.group_name)
 
-    # the site's stack trace and tags follow into every op of its lowering
-    with fx_traceback.preserve_node_meta(), fx_traceback.set_current_meta(marker):
-        subgraph = retrace(lower, [values[i].meta["val"] for i in graph_positions], ctx.fake_mode)
-    for node in subgraph.graph.find_nodes(op="get_attr"):  # constants (head indices) move over
-        name = f"_dcp_ulysses{site}_{node.target}"
-        setattr(gm, name, getattr(subgraph, node.target))
-        node.target = name
-    placeholders = subgraph.graph.find_nodes(op="placeholder")
-    with gm.graph.inserting_before(marker):
-        result = gm.graph.graph_copy(subgraph.graph, {ph: values[i] for ph, i in zip(placeholders, graph_positions)})
-    marker.replace_all_uses_with(result)
-    gm.graph.erase_node(marker)
+    splice_traced(gm, marker, lower, [values[i] for i in graph_positions], ctx.fake_mode)
 
 
 def insert_all_to_all_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     markers = list(gm.graph.find_nodes(op="call_function", target=SHARDED_ATTENTION))
     if not markers:
         return gm
-    for site, marker in enumerate(markers):
-        _splice(gm, marker, ctx, site)
+    for marker in markers:
+        _lower_marker(gm, marker, ctx)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     log.info("dcp: Ulysses all-to-all around %d attention site(s)", len(markers))

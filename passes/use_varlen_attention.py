@@ -15,20 +15,19 @@ attention) is an error naming the site, never a silent attention across sequence
 
 from __future__ import annotations
 
+import functools
 import logging
-import operator
-from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dcp_compile.kernels import varlen_attention as _register_varlen_ops  # noqa: F401  (defines dcp::varlen_*)
+from dcp_compile.graph_capture import splice_traced
 from dcp_compile.passes.context import PassContext
 from dcp_compile.passes.find_attention import SDPA, sdpa_argument
 
 log = logging.getLogger(__name__)
-aten = torch.ops.aten
 VARLEN_ATTENTION = torch.ops.dcp.varlen_attention_fwd.default
 
 
@@ -51,11 +50,14 @@ def _why_not_packable(sdpa: fx.Node) -> str | None:
     return None
 
 
-def _call(graph: fx.Graph, fake_mode: Any, target: Any, *args: Any) -> fx.Node:
-    node = graph.call_function(target, args)
-    with fake_mode:
-        node.meta["val"] = target(*fx.map_arg(args, lambda n: n.meta["val"]))
-    return node
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, boundaries: torch.Tensor,
+                     *, causal: bool, scale: float | None) -> torch.Tensor:
+    """SDPA's ``[B, H, T, D]`` in and out; varlen attention over the ``B*T`` tokens in between."""
+    def tokens(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [B*T, H, D], every row in order
+        return x.transpose(1, 2).flatten(0, 1)
+
+    out, _ = VARLEN_ATTENTION(tokens(query), tokens(key), tokens(value), boundaries, 0, causal, scale)
+    return out.view_as(query.transpose(1, 2)).transpose(1, 2)
 
 
 def add_sequence_boundaries_input(gm: fx.GraphModule, ctx: PassContext) -> fx.Node:
@@ -87,31 +89,13 @@ def use_varlen_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
         reason = _why_not_packable(sdpa)
         if reason is not None:
             raise CannotPack(f"dcp: cannot pack sequences through attention {sdpa.name} "
-                             f"({sdpa.meta.get('stack_trace', '').strip().splitlines()[-1:] or ['?']}): {reason}. "
+                             f"({(sdpa.meta.get('stack_trace') or '?').strip().splitlines()[-1]}): {reason}. "
                              "Run this model on padded batches (dcp.use without sequence_lengths).")
     boundaries = add_sequence_boundaries_input(gm, ctx)
-    graph = gm.graph
     for sdpa in sites:
-        query, key, value = sdpa.args[:3]
-        causal = bool(sdpa_argument(sdpa, "is_causal"))
-        scale = sdpa_argument(sdpa, "scale")
-        with graph.inserting_before(sdpa):
-            # [B, H, T, D] -> [B, T, H, D] -> [B*T, H, D]: tokens of every row, in order
-            tokens_first = [_call(graph, ctx.fake_mode, aten.transpose.int, x, 1, 2) for x in (query, key, value)]
-            flat = [_call(graph, ctx.fake_mode, aten.flatten.using_ints, x, 0, 1) for x in tokens_first]
-            attention = graph.call_function(VARLEN_ATTENTION, (*flat, boundaries, 0, causal, scale))
-            with ctx.fake_mode:
-                attention.meta["val"] = VARLEN_ATTENTION(*[n.meta["val"] for n in flat], boundaries.meta["val"], 0, causal, scale)
-            out = _call(graph, ctx.fake_mode, operator.getitem, attention, 0)
-            unflat = _call(graph, ctx.fake_mode, aten.view_as.default, out, tokens_first[0])
-            result = _call(graph, ctx.fake_mode, aten.transpose.int, unflat, 1, 2)
-        for node in (*tokens_first, *flat, attention, out, unflat, result):
-            if sdpa.meta.get("stack_trace"):
-                node.meta.setdefault("stack_trace", sdpa.meta["stack_trace"])
-            if "recompute" in sdpa.meta:
-                node.meta["recompute"], node.meta["ac_graph_id"] = sdpa.meta["recompute"], sdpa.meta.get("ac_graph_id")
-        sdpa.replace_all_uses_with(result)
-        graph.erase_node(sdpa)
+        lower = functools.partial(packed_attention, causal=bool(sdpa_argument(sdpa, "is_causal")),
+                                  scale=sdpa_argument(sdpa, "scale"))
+        splice_traced(gm, sdpa, lower, [*sdpa.args[:3], boundaries], ctx.fake_mode)
     gm.recompile()
     if ctx.variant_record is not None:
         ctx.variant_record.rewrites.append(f"{len(sites)} attention(s) -> varlen attention over packed sequences")
