@@ -18,7 +18,7 @@ stub that returns at once (overhead isolated: dispatcher-with-stub minus stub). 
 ``torch.no_grad()`` (an inference graph: less noise from autograd bookkeeping; the dispatcher's
 own work is the same).
 
-(b) **Compile time per variant.** For N in 1, 2, 4, 8: ``torch._dynamo.reset()``, compile the model with a
+(b) **Compile time per variant.** For N in 1, 2, 3, 4 (one variant per recompute policy): ``torch._dynamo.reset()``, compile the model with a
 table of N buckets (SP 1, recompute none / full / attention / selective at several memory budgets), then
 force every variant once through ``dcp.use`` with forward + backward (so both AOT graphs of
 each variant are built). Compared with one plain ``torch.compile`` of the same model with the same
@@ -44,8 +44,8 @@ from typing import Any
 import torch
 
 import dcp_compile as dcp
-from dcp_compile.backend import dcp_backend
-from dcp_compile.example_models import TinyGPT
+from dcp_compile.compiler.backend import dcp_backend
+from dcp_compile.demo.example_models import TinyGPT
 
 import run_description  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from run_description import library_version  # noqa: E402
@@ -60,16 +60,7 @@ TINY_LENGTH = 8
 SMALL = dict(vocab=128, hidden=64, layers=1, heads=2)
 SMALL_LENGTH = 64
 
-VARIANTS_8 = [
-    dcp.Variant(1, "none"),
-    dcp.Variant(1, "full"),
-    dcp.Variant(1, "attention"),
-    dcp.Variant(1, "selective", 0.5),
-    dcp.Variant(1, "selective", 0.1),
-    dcp.Variant(1, "selective", 0.25),
-    dcp.Variant(1, "selective", 0.75),
-    dcp.Variant(1, "selective", 0.9),
-]
+VARIANTS = [dcp.Variant(1, policy) for policy in dcp.RecomputePolicy]
 
 
 class Recorder:
@@ -109,7 +100,7 @@ def bucket_options(inner: str) -> dict:
     return {"inner": inner, "buckets": [
         {"max_len": 2, "sp_size": 1, "recompute": "full"},
         {"max_len": 4, "sp_size": 1, "recompute": "attention"},
-        {"max_len": 6, "sp_size": 1, "recompute": "selective", "memory_budget": 0.5},
+        {"max_len": 6, "sp_size": 1, "recompute": "selective"},
         {"max_len": None, "sp_size": 1, "recompute": "none"},
     ]}
 
@@ -248,7 +239,7 @@ def _quantile(values: list[float], q: float) -> float:
 def compile_dcp(model: torch.nn.Module, inner: str, variants: list, ids: torch.Tensor) -> dict:
     torch._dynamo.reset()
     buckets = [{"max_len": 16 * (i + 1) if i < len(variants) - 1 else None, "sp_size": v.sp_size,
-                "recompute": v.recompute, "memory_budget": v.memory_budget} for i, v in enumerate(variants)]
+                "recompute": v.recompute.value} for i, v in enumerate(variants)]
     recorder = Recorder({"inner": inner, "buckets": buckets})
     compiled_model = torch.compile(copy.deepcopy(model), backend=recorder, dynamic=True)
     start = time.perf_counter()
@@ -301,7 +292,7 @@ def measure_compile(inner: str, counts: list[int], repeats: int) -> tuple[list[d
             if key == "plain":
                 runs[key].append(compile_plain(model, inner, ids))
             else:
-                runs[key].append(compile_dcp(model, inner, VARIANTS_8[:key], ids))
+                runs[key].append(compile_dcp(model, inner, VARIANTS[:key], ids))
             last = runs[key][-1]
             print(f"  repeat {repeat} {str(key):>5}: {last['total']:.2f} s (dynamo {last['dynamo']:.2f} s, graphs {last['graphs']})", flush=True)
     med = lambda key, field: statistics.median(r[field] for r in runs[key])  # noqa: E731
@@ -392,7 +383,7 @@ def write(dispatch_rows: list[dict], compile_rows: list[dict], plain: dict, cfg:
         "",
         f"TinyGPT(vocab {SMALL['vocab']}, hidden {SMALL['hidden']}, {SMALL['layers']} layer, {SMALL['heads']} heads), batch 2, "
         f"length {SMALL_LENGTH}. N buckets (SP 1; recompute "
-        + ", ".join(str(v).split("/")[1] for v in VARIANTS_8)
+        + ", ".join(str(v).split("/")[1] for v in VARIANTS)
         + " - the first N), each forced once through `dcp.use` with forward + backward, after `torch._dynamo.reset()`. "
         f"Median of {cfg['repeats']} repeats in rotating order. Plain: one `torch.compile(model, backend='{cfg['inner']}', "
         f"dynamic=True)`, forward + backward: {p['total']:.2f} s (dynamo trace {p['dynamo']:.2f} s, inner compile of the "
@@ -481,13 +472,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner", default="aot_eager", choices=["aot_eager", "inductor"])
     parser.add_argument("--calls", type=int, default=100, help="calls per timed batch (stub: 10x)")
     parser.add_argument("--samples", type=int, default=40, help="timed batches per callable")
-    parser.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--counts", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--repeats", type=int, default=2, help="repeats of the compile-time sweep")
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--suffix", default="")
     args = parser.parse_args(argv)
-    if max(args.counts) > len(VARIANTS_8) or min(args.counts) < 1:
-        parser.error(f"--counts must be in 1..{len(VARIANTS_8)}")
+    if max(args.counts) > len(VARIANTS) or min(args.counts) < 1:
+        parser.error(f"--counts must be in 1..{len(VARIANTS)}")
     torch.set_num_threads(1)
     cfg = dict(vars(args), argv=sys.argv[1:] if argv is None else argv)
     LOAD[0] = os.getloadavg()[0]

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 import dcp_compile as dcp
-from dcp_compile.demo import collate, long_tailed_lengths, pack
-from dcp_compile.example_models import TinyGPT
+from dcp_compile.demo.training_demo import collate, long_tailed_lengths, pack
+from dcp_compile.demo.example_models import TinyGPT
 
 from run_description import library_version, machine  # noqa: E402  (benchmarks/ is on sys.path)
 

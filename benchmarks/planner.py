@@ -28,10 +28,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from dcp_compile.baseline_schedulers import make_baselines
-from dcp_compile.cost_model import CostModel, ModelProfile, video_attention_span
-from dcp_compile.hardware import Hardware
-from dcp_compile.planner import Planner
+from dcp_compile.schedule.published_schedulers import make_baselines
+from dcp_compile.schedule.cost_model import CostModel, ModelProfile, video_attention_span
+from dcp_compile.schedule.hardware import Hardware
+from dcp_compile.schedule.planner import Planner
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

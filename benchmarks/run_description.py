@@ -21,7 +21,7 @@ def library_version() -> str:
     try:
         commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "dcp_compile", "passes", "kernels"],
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "dcp_compile"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -30,8 +30,8 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner import RESULTS, Workload, cost_model_for, markdown_table, workloads  # noqa: E402
 
-from dcp_compile.baseline_schedulers import make_baselines  # noqa: E402
-from dcp_compile.sampler import DataCentricSampler  # noqa: E402
+from dcp_compile.schedule.published_schedulers import make_baselines  # noqa: E402
+from dcp_compile.schedule.sampler import DataCentricSampler  # noqa: E402
 
 WORLD_SIZE = 32
 STEP_TOKENS = {  # tokens per optimizer step to sweep, per model

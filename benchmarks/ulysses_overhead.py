@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_reduce, all_to_all_single_autograd
 
-from dcp_compile.example_models import TinyGPT, rotate
+from dcp_compile.demo.example_models import TinyGPT, rotate
 
 import run_description  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from run_description import library_version  # noqa: E402
@@ -179,7 +179,7 @@ def _counting(backend: Any, counter: list) -> Any:
 
 
 def _dcp_backend(options: dict, counter: list) -> Any:
-    from dcp_compile.backend import dcp_backend
+    from dcp_compile.compiler.backend import dcp_backend
 
     def compile_graph(gm, example_inputs):
         dispatcher = dcp_backend(gm, example_inputs, options=options)
@@ -225,7 +225,7 @@ def _summed_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def worker(rank: int, world_size: int, cfg: dict) -> dict:
-    import dcp_compile.backend  # noqa: F401  (sets dynamo's specialize_float for every model alike)
+    import dcp_compile.compiler.backend  # noqa: F401  (sets dynamo's specialize_float for every model alike)
 
     torch.manual_seed(0)
     sp = world_size
@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         if length % 2:
             parser.error(f"length {length}: the hand-written version needs lengths divisible by the SP size 2")
     cfg = dict(vars(args), argv=sys.argv[1:] if argv is None else argv)
-    from dcp_compile.process_world import run_in_process_world
+    from dcp_compile.testing.process_world import run_in_process_world
 
     LOAD[0] = os.getloadavg()[0]
     start = time.perf_counter()

@@ -9,37 +9,71 @@
             loss.backward()
         dcp.sync_gradients(model)
         optimizer.step(); optimizer.zero_grad()
+
+The package is four packages whose imports point one way:
+
+* ``dcp_compile.compiler`` (backend, dispatcher, passes) uses ``dcp_compile.kernels``;
+* ``dcp_compile.schedule`` (cost model, planner, sampler) prices variants by name and never
+  imports the compiler;
+* ``dcp_compile.runtime`` (process groups, gradient sync, packing, Hugging Face glue) is what a
+  training loop calls around the compiled model.
+
+The names below are loaded on first use, so ``import dcp_compile.compiler.passes`` does not pull
+in the scheduler, and importing the package changes no torch setting and issues no collective.
 """
 
 from __future__ import annotations
 
-import torch._logging._internal as _torch_logging
+import importlib
+from typing import Any
 
-from dcp_compile.cost_model import RECOMPUTE_POLICIES, CalibrationPoint, CostModel, ModelProfile, video_attention_span
-from dcp_compile.gradient_sync import sync_gradients
-from dcp_compile.hardware import Hardware
-from dcp_compile.packing import PackedBatch, pack_sequences
-from dcp_compile.plan import GroupPlan, MicroBatch, Schedule, StepPlan
-from dcp_compile.planner import Planner, PlannerConfig, PlanningError
-from dcp_compile.process_groups import create_sp_groups
-from dcp_compile.sampler import DataCentricSampler, PlanMismatchError
-from dcp_compile.variants import Bucket, Variant, use
+from dcp_compile.variant import RecomputePolicy, Variant
 
-try:  # TORCH_LOGS="+dcp_compile" turns on this package's loggers
-    _torch_logging.register_log("dcp_compile", "dcp_compile")
-except Exception:  # pragma: no cover - logging registration is best effort
-    pass
+# name -> module that defines it (loaded by ``__getattr__`` on first access)
+_EXPORTS = {
+    "Bucket": "dcp_compile.compiler.variant_selection",
+    "use": "dcp_compile.compiler.variant_selection",
+    "explain": "dcp_compile.compiler.inspection",
+    "check": "dcp_compile.compiler.self_check",
+    "CalibrationPoint": "dcp_compile.schedule.cost_model",
+    "CostModel": "dcp_compile.schedule.cost_model",
+    "ModelProfile": "dcp_compile.schedule.cost_model",
+    "video_attention_span": "dcp_compile.schedule.cost_model",
+    "Hardware": "dcp_compile.schedule.hardware",
+    "GroupPlan": "dcp_compile.schedule.plan",
+    "MicroBatch": "dcp_compile.schedule.plan",
+    "Schedule": "dcp_compile.schedule.plan",
+    "StepPlan": "dcp_compile.schedule.plan",
+    "Planner": "dcp_compile.schedule.planner",
+    "PlannerConfig": "dcp_compile.schedule.planner",
+    "PlanningError": "dcp_compile.schedule.planner",
+    "DataCentricSampler": "dcp_compile.schedule.sampler",
+    "PlanMismatchError": "dcp_compile.schedule.sampler",
+    "sync_gradients": "dcp_compile.runtime.gradient_sync",
+    "PackedBatch": "dcp_compile.runtime.packing",
+    "pack_sequences": "dcp_compile.runtime.packing",
+    "create_sp_groups": "dcp_compile.runtime.process_groups",
+}
+_SUBPACKAGES = {"compiler", "kernels", "schedule", "runtime", "huggingface"}
 
-__all__ = [
-    "Bucket", "CalibrationPoint", "CostModel", "DataCentricSampler", "GroupPlan", "Hardware",
-    "MicroBatch", "ModelProfile", "PackedBatch", "PlanMismatchError", "Planner", "PlannerConfig", "PlanningError",
-    "RECOMPUTE_POLICIES", "Schedule", "StepPlan", "Variant", "create_sp_groups", "explain",
-    "pack_sequences", "sync_gradients", "use", "video_attention_span",
-]
+__all__ = sorted([*_EXPORTS, "RecomputePolicy", "Variant", "RECOMPUTE_POLICIES"])
+
+RECOMPUTE_POLICIES = tuple(policy.value for policy in RecomputePolicy)
 
 
-def explain(model, *args, **kwargs):
-    """Run the compiled model once and return what the dcp backend did (see ``dcp_compile.inspection``)."""
-    from dcp_compile.inspection import explain as _explain
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name == "huggingface":  # ``dcp.huggingface.use_packed_attention(model)``
+        module = importlib.import_module("dcp_compile.runtime.huggingface")
+        globals()[name] = module
+        return module
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"dcp_compile.{name}")
+    raise AttributeError(f"module 'dcp_compile' has no attribute {name!r}")
 
-    return _explain(model, *args, **kwargs)
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from dcp_compile.demo import run_demo
+        from dcp_compile.demo.training_demo import run_demo
 
         return run_demo(world_size=args.world_size, steps=args.steps, inner=args.inner, seed=args.seed)
     if args.command == "bench":

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import dcp_compile as dcp
-from dcp_compile.config import parse_options
-from dcp_compile.process_world import run_in_process_world
-from dcp_compile.variants import Bucket, BucketTable, Variant
+from dcp_compile.compiler.options import parse_options
+from dcp_compile.testing.process_world import run_in_process_world
+from dcp_compile.compiler.variant_selection import Bucket, BucketTable, Variant
 
 
 def test_unknown_option_lists_valid_ones():
@@ -44,7 +44,7 @@ def test_sp_size_must_fit_the_world():
 
 def _rank_left_out_worker(rank, world_size):
     """World 3: SP 2 is ranks 0-1; rank 2 is in no SP-2 group and is told so, without a hang."""
-    from dcp_compile.process_groups import sp_group
+    from dcp_compile.runtime.process_groups import sp_group
 
     if rank < 2:
         assert sp_group(2).ranks == (0, 1)
@@ -78,14 +78,19 @@ def test_bucket_boundaries_are_inclusive():
     assert table.select(10**6).variant == Variant(1, "attention")
 
 
-def test_use_accepts_microbatch_like_objects_and_rejects_others():
-    class Plan:
+def test_use_takes_a_microbatch_or_a_variant_and_rejects_others():
+    microbatch = dcp.MicroBatch(indices=(0,), variant=Variant(1, "full"), loss_scale=1.0, group_ranks=(0,),
+                                predicted_time=0.0)
+    with dcp.use(microbatch) as variant:
+        assert variant == Variant(1, "full")
+    with dcp.use(Variant(2, "attention")) as variant:
+        assert variant == Variant(2, "attention")
+
+    class LooksLikeAPlan:  # duck-typed attributes are not a plan: say what is expected
         sp_size, recompute = 1, "full"
 
-    with dcp.use(Plan()) as variant:
-        assert variant == Variant(1, "full")
-    with pytest.raises(TypeError, match="needs an object with sp_size and recompute"):
-        with dcp.use(object()):
+    with pytest.raises(TypeError, match="needs a dcp.MicroBatch"):
+        with dcp.use(LooksLikeAPlan()):
             pass
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import threading
 import time
 from typing import Any, Callable
 
@@ -18,24 +17,18 @@ import sympy
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch._functorch import config as functorch_config
 
-from dcp_compile.config import DCPOptions
-from dcp_compile.inner_compilers import INNER_COMPILERS
-from dcp_compile.passes.context import PassContext
-from dcp_compile.passes.pass_runner import is_disabled, run_passes
-from dcp_compile.process_groups import sp_group
-from dcp_compile.record import GraphRecord, VariantRecord
-from dcp_compile.variants import BucketTable, Variant, active_sequence_boundaries, active_variant
+from dcp_compile.compiler.options import DCPOptions
+from dcp_compile.compiler.inner_compilers import INNER_COMPILERS, floats_already_specialized
+from dcp_compile.compiler.inspection import collecting_records, snapshots_requested
+from dcp_compile.compiler.passes.context import Analysis, PassContext
+from dcp_compile.compiler.passes.pipeline import GraphInput, GraphPass, run_passes
+from dcp_compile.runtime.process_groups import sp_group
+from dcp_compile.compiler.record import GraphRecord, VariantRecord
+from dcp_compile.compiler.variant_selection import BucketTable, active_variant
+from dcp_compile.variant import Variant
 
 log = logging.getLogger(__name__)
-
-_collectors = threading.local()
-
-
-def collecting_records() -> list[GraphRecord] | None:
-    return getattr(_collectors, "records", None)
-
 
 def make_length_reader(length: Any, fake_inputs: list[Any]) -> Callable[[tuple], int] | None:
     """A function from the runtime arguments to the attention length, built once."""
@@ -72,8 +65,8 @@ def world_size() -> int:
 
 class Dispatcher:
     def __init__(self, options: DCPOptions, record: GraphRecord, analysed: fx.GraphModule,
-                 analysis: dict[str, Any], fake_inputs: list[Any], fake_mode: Any,
-                 variant_passes: list[Callable]):
+                 analysis: Analysis, fake_inputs: list[Any], fake_mode: Any,
+                 variant_passes: tuple[GraphPass, ...]):
         self.options = options
         self.record = record
         self.analysed = analysed
@@ -81,11 +74,13 @@ class Dispatcher:
         self.fake_inputs = fake_inputs
         self.fake_mode = fake_mode
         self.variant_passes = variant_passes
-        self.compiled: dict[Variant, Callable] = {}
-        sequence = analysis.get("sequence")
+        # Keyed by the variant and the values of the graph's scalar inputs (baked per compile).
+        self.compiled: dict[tuple[Variant, tuple[float, ...]], Callable] = {}
+        self.added_inputs: dict[Variant, tuple[GraphInput, ...]] = {}  # declared by the variant's passes
+        sequence = analysis.sequence
         self.read_length = make_length_reader(sequence.length if sequence else None, fake_inputs)
         self.buckets = BucketTable(list(options.buckets))
-        self.static_variant = Variant(options.sp_size or world_size(), options.recompute, options.memory_budget)
+        self.static_variant = Variant(options.sp_size or world_size(), options.recompute)
 
     def select(self, args: tuple) -> tuple[Variant, str]:
         variant = active_variant()
@@ -99,38 +94,47 @@ class Dispatcher:
             return bucket.variant, f"bucket max_len={bucket.max_len}"
         return self.static_variant, "static"
 
+    def scalars_of(self, args: Any) -> tuple[float, ...]:
+        return tuple(float(args[index]) for index in self.analysis.scalar_inputs)
+
     def __call__(self, *args: Any) -> Any:
         variant, reason = self.select(args)
-        compiled = self.compiled.get(variant)
+        scalars = self.scalars_of(args) if self.analysis.scalar_inputs else ()
+        compiled = self.compiled.get((variant, scalars))
         if compiled is None:
-            compiled = self.compile_variant(variant)
+            compiled = self.compile_variant(variant, scalars)
         variant_record = self.record.variants[variant]
         variant_record.calls += 1
         self.record.dispatches.append((self.read_length(args) if self.read_length and reason != "static" else "-", str(variant), reason))
         records = collecting_records()
         if records is not None and self.record not in records:
             records.append(self.record)
-        if variant.packed:
-            return compiled(*args, active_sequence_boundaries())
+        added = self.added_inputs[variant]
+        if added:
+            return compiled(*args, *(graph_input.provide() for graph_input in added))
         return compiled(*args)
 
-    def compile_variant(self, variant: Variant) -> Callable:
+    def compile_variant(self, variant: Variant, scalars: tuple[float, ...] = ()) -> Callable:
         start = time.perf_counter()
+        if (variant, scalars) != (variant, ()) and any(key[0] == variant for key in self.compiled):
+            log.warning("dcp: graph %d variant %s recompiles for new values of its float inputs %s "
+                        "(a float attribute of the model changed)", self.record.graph_id, variant, scalars)
         group = sp_group(variant.sp_size)
-        variant_record = VariantRecord(variant)
+        variant_record = VariantRecord(variant, attention_sites=len(self.analysis.attention_sites))
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         variant_record.debug_path = f"rank{rank}/graph{self.record.graph_id}/{variant}".replace('/recompute=', '_recompute=')
         self.record.variants[variant] = variant_record
         ctx = PassContext(
             fake_inputs=self.fake_inputs, fake_mode=self.fake_mode, sp_size=variant.sp_size,
             rank=group.rank, group_name=group.group_name if variant.sp_size > 1 else None,
-            recompute=variant.recompute, memory_budget=variant.memory_budget, packed=variant.packed,
+            recompute=variant.recompute, packed=variant.packed,
             record=self.record, variant_record=variant_record, analysis=self.analysis,
+            scalar_values=dict(zip(self.analysis.scalar_inputs, scalars)), snapshots=snapshots_requested(),
         )
-        passes = self.variant_passes if variant.sp_size > 1 else [p for p in self.variant_passes if getattr(p, "runs_without_sharding", False)]
+        passes = [p for p in self.variant_passes
+                  if (variant.sp_size > 1 or p.runs_without_sharding) and not p.disabled_by(self.options.disable_passes)]
         analysed = self.analysed
-        enabled = [p for p in passes if not is_disabled(p, self.options.disable_passes)]
-        if not (enabled and getattr(enabled[0], "returns_new_graph", False)):
+        if not (passes and passes[0].returns_new_graph):
             # Later passes edit in place (recompute tags, varlen attention): without a pass that
             # re-traces first, a variant works on its own copy of the shared analysed graph (node
             # meta copied shallowly: fake values shared, tags not). The analysis refers to the
@@ -140,13 +144,13 @@ class Dispatcher:
             analysed, ctx, passes, variant=str(variant), disabled=self.options.disable_passes,
             graph_id=self.record.graph_id, debug_dir=self.options.debug_dir, records=variant_record.passes,
         )
+        self.added_inputs[variant] = tuple(filter(None, (p.added_input(ctx) for p in passes)))
         variant_record.graph = gm
         variant_record.collectives = count_collectives(gm)
         inner = INNER_COMPILERS[self.options.inner]
-        budget = variant.memory_budget if variant.recompute == "selective" else 1.0
-        with functorch_config.patch(activation_memory_budget=budget):
+        with floats_already_specialized(self.fake_mode):
             compiled = inner(gm, ctx.fake_inputs, variant_record)
-        self.compiled[variant] = compiled
+        self.compiled[(variant, scalars)] = compiled
         variant_record.compile_seconds = time.perf_counter() - start
         log.info("dcp: graph %d variant %s compiled in %.2fs (%s)", self.record.graph_id, variant,
                  variant_record.compile_seconds, self.options.inner)

@@ -23,9 +23,9 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dcp_compile.kernels import varlen_attention as _register_varlen_ops  # noqa: F401  (defines dcp::varlen_*)
-from dcp_compile.graph_capture import splice_traced
-from dcp_compile.passes.context import PassContext
-from dcp_compile.passes.find_attention import SDPA, sdpa_argument
+from dcp_compile.compiler.graph_capture import splice_traced
+from dcp_compile.compiler.passes.context import PassContext
+from dcp_compile.compiler.passes.find_attention import SDPA, sdpa_argument
 
 log = logging.getLogger(__name__)
 VARLEN_ATTENTION = torch.ops.dcp.varlen_attention_fwd.default
@@ -102,5 +102,3 @@ def use_varlen_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     log.info("dcp: %d attention site(s) run as varlen attention over packed sequences", len(sites))
     return gm
 
-
-use_varlen_attention_pass.runs_without_sharding = True

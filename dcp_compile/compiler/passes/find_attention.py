@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dcp_compile.passes.context import PassContext
+from dcp_compile.compiler.passes.context import PassContext
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ def find_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for node in gm.graph.nodes
         if node.op == "call_function" and node.target is SDPA
     ]
-    ctx.analysis["attention_sites"] = sites
+    ctx.analysis.attention_sites = sites
     if not sites:
         log.info("dcp: no attention found in this graph; it runs unsharded on every rank")
     else:

@@ -7,15 +7,42 @@ activations and the backward all-to-alls can be read).
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
 
-from dcp_compile.record import VariantRecord
+from dcp_compile.compiler.record import VariantRecord
+
+
+@contextlib.contextmanager
+def floats_already_specialized(fake_mode: Any) -> Iterator[None]:
+    """Tell AOTAutograd's float tensorification that the graph's float symbols are specialized.
+
+    Dynamo hands Python floats over as 0-d inputs read with ``.item()``; the capture leaves float
+    symbols in the shape environment, and the variants bake their values (the dispatcher keys
+    compiled variants by them). Without this, AOTAutograd would ask dynamo to restart its analysis,
+    which cannot happen for a variant compiled lazily outside dynamo. The names are registered only
+    for the duration of one compile, so dynamo's own float handling is left as it was.
+    """
+    from torch._dynamo.symbolic_convert import TensorifyState
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    shape_env = getattr(fake_mode, "shape_env", None)
+    names = set()
+    if shape_env is not None:
+        names = {str(symbol) for symbol in shape_env.backed_var_to_val if symbol_is_type(symbol, SymT.FLOAT)}
+    added = {name for name in names if not TensorifyState.should_specialize(name)}
+    for name in added:
+        TensorifyState.specialize(name)
+    try:
+        yield
+    finally:
+        TensorifyState.force_specializations.difference_update(added)
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -81,7 +108,7 @@ def _dump(record: VariantRecord, name: str, code: str) -> None:
 
 
 def _record_forward(record: VariantRecord, gm: fx.GraphModule, num_user_outputs: int) -> None:
-    from dcp_compile.passes.pass_runner import readable
+    from dcp_compile.compiler.passes.pipeline import readable
 
     record.forward_graph = readable(gm)
     record.saved_activation_bytes, record.saved_rng_state_bytes = saved_for_backward(gm, num_user_outputs)
@@ -89,7 +116,7 @@ def _record_forward(record: VariantRecord, gm: fx.GraphModule, num_user_outputs:
 
 
 def _record_backward(record: VariantRecord, gm: fx.GraphModule) -> None:
-    from dcp_compile.passes.pass_runner import readable
+    from dcp_compile.compiler.passes.pipeline import readable
 
     record.backward_graph = readable(gm)
     _dump(record, "backward", record.backward_graph)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from dcp_compile.sequence_chunks import chunk_lengths, chunk_start
+from dcp_compile.compiler.sequence_chunks import chunk_lengths, chunk_start
 
 functional = torch.ops._c10d_functional
 

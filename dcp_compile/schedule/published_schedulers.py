@@ -47,7 +47,9 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from .cost_model import RECOMPUTE_POLICIES, CostModel
+from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy
+
+from .cost_model import CostModel
 from .plan import Schedule, ScheduledMicroBatch
 
 log = logging.getLogger(__name__)
@@ -99,8 +101,7 @@ class _BaselineScheduler:
         max_buckets: int = 32,
         seed: int = 0,
     ) -> None:
-        if recompute not in RECOMPUTE_POLICIES:
-            raise ValueError(f"unknown recompute policy {recompute!r}; use one of {RECOMPUTE_POLICIES}")
+        recompute = RecomputePolicy.parse(recompute)
         self.cost_model = cost_model
         self.world_size = world_size
         self.memory_cap = memory_fraction * cost_model.hardware.memory_capacity

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
-from dcp_compile import dispatcher
-from dcp_compile.record import ModelRecord
+from dcp_compile.compiler.record import GraphRecord, ModelRecord
+
+_collectors = threading.local()
+
+
+def collecting_records() -> list[GraphRecord] | None:
+    """The list ``explain`` is filling on this thread, or None outside ``explain``."""
+    return getattr(_collectors, "records", None)
+
+
+def snapshots_requested() -> bool:
+    """Passes keep readable before/after graphs only while ``explain`` is collecting."""
+    return collecting_records() is not None
 
 
 def explain(model: Any, *args: Any, **kwargs: Any) -> ModelRecord:
@@ -13,20 +25,21 @@ def explain(model: Any, *args: Any, **kwargs: Any) -> ModelRecord:
 
     The call compiles what is not compiled yet; no backward is run. The result prints
     as a readable report (attention sites, sequence dimensions, collectives, every gather with its
-    reason, pass timings); ``record[i].variants[v].passes`` holds each pass's before/after graph.
+    reason, pass timings); ``record[i].variants[v].passes`` holds each pass's before/after graph
+    for the variants this call compiled (``DCP_DEBUG_DIR`` keeps them for every compile).
     """
     if not hasattr(model, "_torchdynamo_orig_callable") and not hasattr(model, "dynamo_ctx"):
         raise TypeError(
             "dcp.explain needs the compiled model: pass torch.compile(model, backend='dcp', "
             "dynamic=True), not the original module"
         )
-    records: list = []
-    previous = getattr(dispatcher._collectors, "records", None)
-    dispatcher._collectors.records = records
+    records: list[GraphRecord] = []
+    previous = getattr(_collectors, "records", None)
+    _collectors.records = records
     try:
         model(*args, **kwargs)  # with grad mode as the caller has it: the same graphs as training
     finally:
-        dispatcher._collectors.records = previous
+        _collectors.records = previous
     if not records:
         raise RuntimeError(
             "dcp.explain: the call ran no graph compiled by the dcp backend; was the model "

@@ -25,11 +25,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from dcp_compile import collectives
-from dcp_compile.graph_capture import splice_traced
-from dcp_compile.passes import sharded_attention_op  # noqa: F401
-from dcp_compile.passes.context import PassContext
-from dcp_compile.sequence_chunks import chunk_lengths
+from dcp_compile.compiler import collectives
+from dcp_compile.compiler.graph_capture import splice_traced
+from dcp_compile.compiler.passes import sharded_attention_op  # noqa: F401
+from dcp_compile.compiler.passes.context import PassContext
+from dcp_compile.compiler.sequence_chunks import chunk_lengths
 
 log = logging.getLogger(__name__)
 SHARDED_ATTENTION = torch.ops.dcp.sharded_attention.default

@@ -26,6 +26,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, Variant
+
 log = logging.getLogger(__name__)
 
 
@@ -118,12 +120,19 @@ class MicroBatch:
     """
 
     indices: tuple[int, ...]
-    sp_size: int
-    recompute: str
+    variant: Variant  # what ``dcp.use(mb)`` runs: SP size, recompute policy
     loss_scale: float
     group_ranks: tuple[int, ...]
     predicted_time: float
     tokens: int = 0
+
+    @property
+    def sp_size(self) -> int:
+        return self.variant.sp_size
+
+    @property
+    def recompute(self) -> RecomputePolicy:
+        return self.variant.recompute
 
     @property
     def first_rank(self) -> int:
@@ -192,7 +201,7 @@ class StepPlan:
             payload = [
                 self.epoch, self.step, self.world_size,
                 [
-                    [group.sp_size, group.ranks[0], [[list(mb.indices), mb.recompute] for mb in group.microbatches]]
+                    [group.sp_size, group.ranks[0], [[list(mb.indices), mb.recompute.value] for mb in group.microbatches]]
                     for group in self.groups
                 ],
             ]
@@ -230,8 +239,7 @@ class StepPlan:
             mb_supervised = sum(supervised[p] for p in scheduled.positions)
             record = MicroBatch(
                 indices=tuple(int(indices[p]) for p in scheduled.positions),
-                sp_size=scheduled.sp_size,
-                recompute=scheduled.recompute,
+                variant=Variant(scheduled.sp_size, RecomputePolicy.parse(scheduled.recompute)),
                 loss_scale=(mb_supervised / step_supervised) if step_supervised > 0 else 0.0,
                 group_ranks=tuple(scheduled.ranks),
                 predicted_time=scheduled.predicted_time,
@@ -267,7 +275,7 @@ class StepPlan:
         columns = ("", "ranks", "sp", "micro-batches", "samples", "tokens", "recompute", "time")
         rows = []
         for group in self.groups:
-            policies = sorted({mb.recompute for mb in group.microbatches}, key=_policy_order)
+            policies = [p.value for p in sorted({mb.recompute for mb in group.microbatches}, key=_policy_order)]
             first, last = group.ranks[0], group.ranks[-1]
             rows.append((
                 "*" if self.rank in group.ranks else "",
@@ -296,9 +304,8 @@ def _rank_microbatches(groups: Sequence[GroupPlan], rank: int) -> tuple[MicroBat
     return tuple(mb for group in mine for mb in group.microbatches)
 
 
-def _policy_order(policy: str) -> int:
-    order = ("none", "attention", "selective", "full")
-    return order.index(policy) if policy in order else len(order)
+def _policy_order(policy: RecomputePolicy) -> int:
+    return RECOMPUTE_POLICIES.index(policy)
 
 
 def _seconds(value: float) -> str:

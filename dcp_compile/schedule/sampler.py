@@ -3,7 +3,7 @@
 Each epoch the sampler shuffles the sample indices (seeded by ``seed`` and the epoch), cuts the
 order into steps of at most ``tokens_per_step`` tokens (a sample longer than that is a step of
 its own; the last, shorter step is kept, never dropped) and plans every step with
-:class:`~dcp_compile.planner.Planner`. Everything is a pure function of
+:class:`~dcp_compile.schedule.planner.Planner`. Everything is a pure function of
 ``(seed, epoch, step, lengths)`` and the cost model, so every rank computes the same global plan
 and takes its own share; nothing is negotiated at run time. ``verify_plan=True`` checks that
 promise each step with one small all-gather of a plan digest.
@@ -40,7 +40,7 @@ class PlanMismatchError(RuntimeError):
 
 
 class DataCentricSampler:
-    """Yields this rank's :class:`~dcp_compile.plan.StepPlan` for each step of an epoch.
+    """Yields this rank's :class:`~dcp_compile.schedule.plan.StepPlan` for each step of an epoch.
 
     Args:
         lengths: tokens of every sample of the dataset (the attention length: for images and video,
@@ -55,7 +55,7 @@ class DataCentricSampler:
         verify_plan: all-gather a digest of each step's plan and raise :class:`PlanMismatchError`
             naming the ranks that disagree.
         spans: keys per query of each sample for the cost model (default: its length; see
-            :func:`~dcp_compile.cost_model.video_attention_span`).
+            :func:`~dcp_compile.schedule.cost_model.video_attention_span`).
         supervised_tokens: tokens that count in each sample's loss (default: its length; a causal
             LM that shifts labels inside the sample supervises ``length - 1``). ``loss_scale`` is
             computed from these.

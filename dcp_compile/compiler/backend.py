@@ -18,32 +18,19 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from dcp_compile.config import parse_options
-from dcp_compile.dispatcher import Dispatcher
-from dcp_compile.graph_capture import capture_aten_graph
-from dcp_compile.passes.context import PassContext
-from dcp_compile.passes.find_attention import find_attention_pass
-from dcp_compile.passes.insert_all_to_all import insert_all_to_all_pass
-from dcp_compile.passes.pass_runner import run_passes
-from dcp_compile.passes.recompute import recompute_pass
-from dcp_compile.passes.sequence_dims import sequence_dims_pass
-from dcp_compile.passes.shard_sequence import shard_sequence_pass
-from dcp_compile.passes.use_varlen_attention import use_varlen_attention_pass
-from dcp_compile.process_groups import create_sp_groups
-from dcp_compile.record import GraphRecord
+from dcp_compile.compiler.dispatcher import Dispatcher
+from dcp_compile.compiler.graph_capture import capture_aten_graph
+from dcp_compile.compiler.inspection import snapshots_requested
+from dcp_compile.compiler.options import parse_options
+from dcp_compile.compiler.passes import ANALYSIS_PASSES, VARIANT_PASSES, run_passes
+from dcp_compile.compiler.passes.context import Analysis, PassContext
+from dcp_compile.compiler.passes.shard_sequence import SCALAR_READS
+from dcp_compile.compiler.record import GraphRecord
+from dcp_compile.runtime.process_groups import create_sp_groups
 
 log = logging.getLogger(__name__)
 
-ANALYSIS_PASSES = [find_attention_pass, sequence_dims_pass]
-VARIANT_PASSES = [shard_sequence_pass, insert_all_to_all_pass, use_varlen_attention_pass, recompute_pass]
-
 _graph_ids = itertools.count()
-
-# Variants compile lazily, outside dynamo's frame, where a graph with symbolic floats (dynamo's
-# default for float attributes such as a norm's eps) cannot be "tensorified" (that needs dynamo
-# to restart its analysis). Floats are therefore specialized, as they were before torch 2.6: a
-# changed float recompiles through dynamo's guards instead.
-torch._dynamo.config.specialize_float = True
 
 
 def dcp_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Dispatcher:
@@ -56,24 +43,38 @@ def dcp_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str
         create_sp_groups(extra_sizes=[b.variant.sp_size for b in parsed.buckets] + [parsed.sp_size or 1])
     record = GraphRecord(next(_graph_ids))
     aten_gm, fake_inputs, fake_mode = capture_aten_graph(gm, example_inputs)
-    ctx = PassContext(fake_inputs=fake_inputs, fake_mode=fake_mode, record=record)
     # Parameters' gradients stay partial (summed by the user's gradient sync); other inputs that
     # require grad get their full gradient on every rank (see collectives.replicated_input).
-    ctx.analysis["parameter_indices"] = {
-        index for index, value in enumerate(example_inputs) if isinstance(value, torch.nn.Parameter)
-    }
+    analysis = Analysis(
+        parameter_indices=frozenset(
+            index for index, value in enumerate(example_inputs) if isinstance(value, torch.nn.Parameter)
+        ),
+        scalar_inputs=scalar_inputs(aten_gm),
+    )
+    ctx = PassContext(fake_inputs=fake_inputs, fake_mode=fake_mode, record=record, analysis=analysis,
+                      snapshots=snapshots_requested())
     analysed = run_passes(aten_gm, ctx, ANALYSIS_PASSES, graph_id=record.graph_id,
                           disabled=parsed.disable_passes, debug_dir=parsed.debug_dir,
                           records=record.analysis_passes)
-    sites = ctx.analysis.get("attention_sites", [])
-    sequence = ctx.analysis.get("sequence")
-    record.attention_sites = [site.describe() for site in sites]
+    sequence = analysis.sequence
+    record.attention_sites = [site.describe() for site in analysis.attention_sites]
     record.sequence_length = str(sequence.length) if sequence is not None and sequence.length is not None else None
     record.classification = sequence.table() if sequence is not None else []
     record.trace_seconds = time.perf_counter() - start
-    dispatcher = Dispatcher(parsed, record, analysed, ctx.analysis, fake_inputs, fake_mode, VARIANT_PASSES)
+    dispatcher = Dispatcher(parsed, record, analysed, analysis, fake_inputs, fake_mode, VARIANT_PASSES)
     if not parsed.buckets:
         # Static mode has exactly one variant: build it now, inside dynamo's compile, so that
         # any guard the inner compiler adds is installed by dynamo.
-        dispatcher.compile_variant(dispatcher.static_variant)
+        dispatcher.compile_variant(dispatcher.static_variant, dispatcher.scalars_of(example_inputs))
     return dispatcher
+
+
+def scalar_inputs(gm: fx.GraphModule) -> tuple[int, ...]:
+    """Positions of the 0-d floating-point inputs the graph reads only as Python scalars."""
+    positions = []
+    for index, placeholder in enumerate(gm.graph.find_nodes(op="placeholder")):
+        value = placeholder.meta.get("val")
+        if (isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
+                and placeholder.users and all(user.target in SCALAR_READS for user in placeholder.users)):
+            positions.append(index)
+    return tuple(positions)

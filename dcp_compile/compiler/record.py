@@ -16,8 +16,8 @@ import torch.fx as fx
 class PassRecord:
     name: str
     variant: str
-    before: str
-    after: str
+    before: str | None  # readable graphs, kept only when someone will read them (explain, debug dir)
+    after: str | None
     seconds: float
 
 
@@ -25,7 +25,12 @@ class PassRecord:
 class VariantRecord:
     variant: Any
     passes: list[PassRecord] = field(default_factory=list)
+    attention_sites: int = 0  # attention sites in the graph (the same for every variant)
+    sharded_sites: list[str] = field(default_factory=list)  # attention run under Ulysses' all-to-all
+    rank_local_sites: list[str] = field(default_factory=list)  # attention over a dimension the shard keeps whole
+    unsharded_sites: list[tuple[str, str]] = field(default_factory=list)  # (site, why it ran on gathered inputs)
     gathers: list[Any] = field(default_factory=list)
+    local_fallbacks: list[str] = field(default_factory=list)  # sharded ops that ran on gathered inputs
     rewrites: list[str] = field(default_factory=list)
     collectives: dict[str, int] = field(default_factory=dict)
     sharded_regions: int = 0
@@ -39,6 +44,37 @@ class VariantRecord:
     calls: int = 0
     graph: fx.GraphModule | None = None  # the transformed graph handed to the inner compiler
     debug_path: str | None = None  # where DCP_DEBUG_DIR dumps go, relative to it
+
+    @property
+    def sp_size(self) -> int:
+        return getattr(self.variant, "sp_size", 1)
+
+    @property
+    def is_sharded(self) -> bool:
+        """Every attention site ran sharded (all-to-all or rank-local) and nothing fell back."""
+        covered = len(self.sharded_sites) + len(self.rank_local_sites)
+        return self.fallback_reason is None and covered == self.attention_sites and not self.unsharded_sites
+
+    def gather_reasons(self) -> collections.Counter:
+        return collections.Counter(getattr(gather, "reason", str(gather)) for gather in self.gathers)
+
+    def summary(self) -> str:
+        """One line: is this variant sequence-parallel, and where is it not."""
+        if self.sp_size == 1:
+            return f"{self.variant}: SP 1 (nothing to shard)"
+        if self.fallback_reason is not None:
+            return f"{self.variant}: UNSHARDED (whole graph): {self.fallback_reason}"
+        if not self.attention_sites:
+            return f"{self.variant}: no attention: runs replicated on every rank"
+        covered = len(self.sharded_sites) + len(self.rank_local_sites)
+        local = f", {len(self.rank_local_sites)} rank-local" if self.rank_local_sites else ""
+        reasons = "; ".join(f"{reason} x{count}" for reason, count in self.gather_reasons().most_common())
+        line = (f"{self.variant}: sharded {covered}/{self.attention_sites} attention sites "
+                f"({len(self.sharded_sites)} all-to-all{local}) | gathers {len(self.gathers)}"
+                + (f" [{reasons}]" if reasons else ""))
+        for site, why in self.unsharded_sites:
+            line += f" | {site} UNSHARDED: {why}"
+        return line
 
 
 @dataclass
@@ -67,6 +103,7 @@ class GraphRecord:
         for name, op, _, detail in mixing:
             lines.append(f"    sequence-mixing {name} ({op}): {detail}")
         for key, variant in self.variants.items():
+            lines.append(f"  {variant.summary()}")
             lines.append(f"  variant {key}: {variant.calls} call(s), compiled in {variant.compile_seconds:.2f}s")
             if variant.fallback_reason:
                 lines.append(f"    UNSHARDED fallback: {variant.fallback_reason}")
@@ -78,6 +115,8 @@ class GraphRecord:
                 lines.append(f"    rewrite {rewrite}")
             for gather in variant.gathers:
                 lines.append(f"    {gather}")
+            for fallback in variant.local_fallbacks:
+                lines.append(f"    ran on gathered inputs: {fallback}")
             if variant.saved_activation_bytes is not None:
                 rng = f" + {variant.saved_rng_state_bytes} bytes of RNG state for recomputation" if variant.saved_rng_state_bytes else ""
                 lines.append(f"    activations saved for backward: {variant.saved_activation_bytes} bytes{rng} (symbolic sizes at the traced length)")
@@ -97,7 +136,14 @@ class ModelRecord:
     def __str__(self) -> str:
         if not self.graphs:
             return "DCP: nothing compiled yet"
-        return "\n\n".join(str(graph) for graph in self.graphs)
+        return "\n".join(self.summary_lines()) + "\n\n" + "\n\n".join(str(graph) for graph in self.graphs)
+
+    def summary_lines(self) -> list[str]:
+        """One line per graph and variant: the first thing to read ("is DCP doing anything?")."""
+        return [f"graph {graph.graph_id} {variant.summary()}" for graph in self.graphs for variant in graph.variants.values()]
+
+    def variant_records(self) -> list[VariantRecord]:
+        return [variant for graph in self.graphs for variant in graph.variants.values()]
 
     def __getitem__(self, index: int) -> GraphRecord:
         return self.graphs[index]

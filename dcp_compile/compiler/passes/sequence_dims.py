@@ -35,8 +35,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from dcp_compile.passes.context import PassContext
-from dcp_compile.passes.find_attention import SDPA, AttentionSite
+from dcp_compile.compiler.passes.context import PassContext
+from dcp_compile.compiler.passes.find_attention import SDPA, AttentionSite
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -289,10 +289,35 @@ def _pointwise(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     if len(mapped) > 1:
         return _mixing("combines two sequence positions (an outer product)", node, analysis)
     dims = tuple(mapped.values())
+    if len(dims) == 1 and dims[0].plain:
+        aligned += _broadcast_partners(node, analysis, dims[0].dim, out_rank)
     elements = None
     if isinstance(out, (tuple, list)):
         elements = tuple(dims if isinstance(e, torch.Tensor) and e.dim() == out_rank else () for e in out)
     return RuleResult(TOKEN_LOCAL, dims, tuple(aligned), element_dims=elements)
+
+
+def _broadcast_partners(node: fx.Node, analysis: SequenceAnalysis, out_dim: int, out_rank: int) -> list[fx.Node]:
+    """Operands with no sequence dimension of their own that still span the sequence.
+
+    ``x + pos_embed`` where ``x`` is ``[B, (H//2)**2, D]`` and ``pos_embed`` a ``[1, 9, D]``
+    buffer: broadcasting makes the sizes equal at run time although the expressions differ, so the
+    buffer is sequence-indexed too and must be cut to the same chunk (a size of 1 broadcasts).
+    """
+    partners = []
+    for source in _tensor_inputs(node):
+        if analysis.dims_of(source):
+            continue
+        shape = shape_of(_val(source))
+        position = out_dim - (out_rank - len(shape))
+        if position < 0 or _equal(shape[position], 1):
+            continue
+        role = analysis.roles.get(source)
+        if role is not None and role.role not in (NONE, SOURCE):
+            continue
+        analysis.roles[source] = NodeRole(SOURCE, (SequenceDim(position),), reason="spans the sequence by broadcasting")
+        partners.append(source)
+    return partners
 
 
 def _view(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
@@ -655,8 +680,8 @@ def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite]) -> Seq
 
 def sequence_dims_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Analysis only: classify every node; the graph is returned unchanged."""
-    analysis = analyze_sequence_dims(gm, ctx.analysis.get("attention_sites", []))
-    ctx.analysis["sequence"] = analysis
+    analysis = analyze_sequence_dims(gm, ctx.analysis.attention_sites)
+    ctx.analysis.sequence = analysis
     if analysis.length is not None:
         if not analysis.length.free_symbols:
             log.warning(

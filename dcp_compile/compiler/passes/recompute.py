@@ -9,8 +9,9 @@ backward recomputes what the policy says and keeps the rest:
   recomputed in backward (what lies between the projections' inputs and SDPA: views, head
   repeats, rotary embeddings); under sequence parallelism the walk stops at the all-to-alls,
   whose outputs are saved, so there only SDPA itself is recomputed;
-* ``selective``: no tags; the partitioner keeps ``memory_budget`` of the activation memory
-  (``torch._functorch.config.activation_memory_budget``), choosing what to recompute itself;
+* ``selective``: ``attention``, plus every op that is not a matrix product (norms, activation
+  functions, elementwise ops, views): only matmul outputs are kept, the classic selective
+  activation checkpointing, and what the cost model prices under the same name;
 * ``full``: everything is recomputed from the graph inputs.
 
 Under every policy collective outputs are saved (``MUST_SAVE``): recomputing them would re-send
@@ -27,9 +28,9 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dcp_compile.passes.context import PassContext
-from dcp_compile.passes.find_attention import SDPA
-from dcp_compile.passes.use_varlen_attention import VARLEN_ATTENTION
+from dcp_compile.compiler.passes.context import PassContext
+from dcp_compile.compiler.passes.find_attention import SDPA
+from dcp_compile.compiler.passes.use_varlen_attention import VARLEN_ATTENTION
 
 log = logging.getLogger(__name__)
 RECOMPUTE_GRAPH_ID = 4242
@@ -42,7 +43,7 @@ def is_collective(node: fx.Node) -> bool:
 def is_random(node: fx.Node) -> bool:
     target = node.target
     if target is SDPA:  # seeded only through its dropout
-        from dcp_compile.passes.find_attention import sdpa_argument
+        from dcp_compile.compiler.passes.find_attention import sdpa_argument
 
         return float(sdpa_argument(node, "dropout_p")) > 0.0
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
@@ -103,7 +104,10 @@ def recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if policy == "full":
             _tag(node, CheckpointPolicy.PREFER_RECOMPUTE)
             tagged += 1
-        elif policy == "attention" and is_attention(node):
+        elif policy == "selective" and node.target not in PROJECTIONS and not is_attention(node):
+            _tag(node, CheckpointPolicy.MUST_RECOMPUTE)
+            tagged += 1
+        if policy in ("attention", "selective") and is_attention(node):
             # MUST: a soft preference loses to keeping SDPA's output and logsumexp, which is
             # exactly what this policy gives up.
             for member in attention_inputs_region(node):
@@ -113,5 +117,3 @@ def recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     log.debug("dcp: recompute=%s tagged %d node(s) for recomputation", policy, tagged)
     return gm
 
-
-recompute_pass.runs_without_sharding = True

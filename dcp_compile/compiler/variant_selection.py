@@ -1,4 +1,4 @@
-"""Variants (an SP size and a recompute policy), length buckets, and the ``dcp.use`` context."""
+"""Which variant a call runs: length buckets, and the ``dcp.use`` context a training loop sets."""
 
 from __future__ import annotations
 
@@ -9,49 +9,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-RECOMPUTE_POLICIES = ("none", "attention", "selective", "full")
-
-
-@dataclass(frozen=True)
-class Variant:
-    """What one compiled graph is specialized for."""
-
-    sp_size: int = 1
-    recompute: str = "none"
-    memory_budget: float | None = None  # for recompute="selective": fraction of activation memory kept
-    packed: bool = False  # several sequences concatenated in one row: attention runs varlen over them
-
-    def __post_init__(self) -> None:
-        if self.recompute not in RECOMPUTE_POLICIES:
-            raise ValueError(
-                f"dcp: unknown recompute policy {self.recompute!r}; use one of {', '.join(RECOMPUTE_POLICIES)}"
-            )
-        if self.recompute == "selective":
-            budget = 0.5 if self.memory_budget is None else self.memory_budget
-            if not 0.0 <= budget <= 1.0:
-                raise ValueError(f"dcp: memory_budget must be in [0, 1], got {budget}")
-            object.__setattr__(self, "memory_budget", float(budget))
-        elif self.memory_budget is not None:
-            object.__setattr__(self, "memory_budget", None)
-
-    def __str__(self) -> str:
-        extra = f"({self.memory_budget:g})" if self.recompute == "selective" else ""
-        return f"sp={self.sp_size}/recompute={self.recompute}{extra}{'/packed' if self.packed else ''}"
-
-    @classmethod
-    def of(cls, plan: Any) -> "Variant":
-        """A Variant from anything with ``sp_size`` and ``recompute`` attributes."""
-        if isinstance(plan, Variant):
-            return plan
-        try:
-            sp_size, recompute = plan.sp_size, plan.recompute
-        except AttributeError:
-            raise TypeError(
-                f"dcp.use() needs an object with sp_size and recompute attributes (a MicroBatch "
-                f"or dcp.Variant(sp_size=..., recompute=...)), got {type(plan).__name__}"
-            ) from None
-        return cls(int(sp_size), recompute or "none", getattr(plan, "memory_budget", None), bool(getattr(plan, "packed", False)))
-
+from dcp_compile.variant import Variant
 
 @dataclass(frozen=True)
 class Bucket:
@@ -114,19 +72,28 @@ def sequence_boundaries(sequence_lengths: Sequence[int]) -> "torch.Tensor":
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
 
 
+def variant_of(plan: Any) -> Variant:
+    """The Variant a ``dcp.use`` argument asks for: a Variant, or a MicroBatch's ``variant``."""
+    if isinstance(plan, Variant):
+        return plan
+    variant = getattr(plan, "variant", None)
+    if isinstance(variant, Variant):
+        return variant
+    raise TypeError(
+        f"dcp.use() needs a dcp.MicroBatch (from a StepPlan) or a dcp.Variant(sp_size=..., "
+        f"recompute=...), got {type(plan).__name__}"
+    )
+
+
 @contextlib.contextmanager
 def use(plan: Any, sequence_lengths: Sequence[int] | None = None) -> Iterator[Variant]:
     """Run the compiled model with the variant of ``plan`` (a MicroBatch or a ``Variant``).
 
     ``sequence_lengths``: the batch is packed (batch 1, these sequences one after the other along
     the sequence dimension, see ``dcp.pack_sequences``); attention keeps them apart with the varlen
-    kernel instead of padding. Taken from ``plan.sequence_lengths`` when ``plan.packed`` is true.
+    kernel instead of padding.
     """
-    if sequence_lengths is None and getattr(plan, "packed", False):
-        sequence_lengths = getattr(plan, "sequence_lengths", None)
-        if sequence_lengths is None:
-            raise TypeError(f"dcp.use: {type(plan).__name__} says packed=True but has no sequence_lengths")
-    variant = Variant.of(plan)
+    variant = variant_of(plan)
     boundaries = None
     if sequence_lengths is not None:
         boundaries = sequence_boundaries(sequence_lengths)

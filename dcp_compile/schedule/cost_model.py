@@ -2,7 +2,7 @@
 
 The planner asks this model thousands of questions per step, so it is analytic: a
 :class:`ModelProfile` (FLOPs, activation bytes, all-to-all volume of one transformer) on a
-:class:`~dcp_compile.hardware.Hardware` record. Every term is *separable* over the sequences of a
+:class:`~dcp_compile.schedule.hardware.Hardware` record. Every term is *separable* over the sequences of a
 micro-batch::
 
     time(lengths, sp, recompute) = fixed(sp, recompute)
@@ -41,11 +41,12 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy
+
 from .hardware import Hardware
 
 log = logging.getLogger(__name__)
 
-RECOMPUTE_POLICIES: tuple[str, ...] = ("none", "attention", "selective", "full")
 COST_TERMS: tuple[str, ...] = ("linear", "attention", "memory", "communication", "overhead")
 
 # Inverse efficiencies before calibration: typical fractions of peak that bf16 training reaches
@@ -759,8 +760,7 @@ def _token_sums(lengths: Sequence[int], spans: Sequence[float] | None) -> tuple[
 
 
 def _check_policy(recompute: str) -> None:
-    if recompute not in RECOMPUTE_POLICIES:
-        raise ValueError(f"unknown recompute policy {recompute!r}; use one of {RECOMPUTE_POLICIES}")
+    RecomputePolicy.parse(recompute)
 
 
 def _raw_term_coefficients(

@@ -4,7 +4,7 @@
 ``torchrun`` it uses the world it is given. Every rank:
 
 1. builds the same synthetic dataset of long-tailed lengths (16 to 1024 tokens: most samples
-   short, a few long) and the same :class:`~dcp_compile.example_models.TinyGPT`;
+   short, a few long) and the same :class:`~dcp_compile.demo.example_models.TinyGPT`;
 2. compiles it once with ``torch.compile(model, backend="dcp", dynamic=True)`` and runs every
    variant the job can need (each SP size, on packed rows: every micro-batch concatenates its
    samples and attention runs the varlen kernel, see ``dcp.pack_sequences``), so that no compile
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import dcp_compile as dcp
-from dcp_compile.example_models import TinyGPT
+from dcp_compile.demo.example_models import TinyGPT
 
 VOCAB = 512
 HIDDEN = 128
@@ -311,7 +311,7 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
         say(str(step))
         every = [mb for group in step.groups for mb in group.microbatches]  # the same order on every rank
         runs = {
-            "dcp": [(mb, dcp.Variant.of(mb), mb.group_ranks[0] == rank) for mb in step.microbatches],
+            "dcp": [(mb, mb.variant, mb.group_ranks[0] == rank) for mb in step.microbatches],
             "static": [(mb, static_variant, rank == 0) for mb in every],
         }
         lines = {}
@@ -433,7 +433,7 @@ def run_demo(world_size: int = 2, steps: int = 6, inner: str = "aot_eager", seed
         finally:
             dist.destroy_process_group()
         return 0
-    from dcp_compile.process_world import run_in_process_world
+    from dcp_compile.testing.process_world import run_in_process_world
 
     print(f"dcp demo: {world_size}-process gloo world (one CPU thread each), TinyGPT, {steps} steps of "
           f"variable-length data, each trained with DCP plans and with static SP", flush=True)

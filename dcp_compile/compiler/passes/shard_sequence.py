@@ -17,7 +17,7 @@ contains an attention is sharded; every other value stays full. Inside a sharded
   with its reason.
 
 Graph outputs are full on every rank: a chunked output is gathered, a full one carries a
-gradient scale of 1/P (see ``dcp_compile.collectives``).
+gradient scale of 1/P (see ``dcp_compile.compiler.collectives``).
 
 The rewrite happens by re-tracing the graph through an interpreter, so every new node gets its
 symbolic shape from the ops themselves.
@@ -34,18 +34,20 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from dcp_compile import collectives
-from dcp_compile.graph_capture import retrace
-from dcp_compile.passes import sharded_attention_op  # noqa: F401  (registers dcp::sharded_attention)
-from dcp_compile.passes.context import PassContext
-from dcp_compile.passes.find_attention import SDPA, sdpa_argument
-from dcp_compile.passes.sequence_dims import (
-    ATTENTION, MIXING, SOURCE, TOKEN_LOCAL, VIEWS, SequenceAnalysis, SequenceDim,
+from dcp_compile.compiler import collectives
+from dcp_compile.compiler.graph_capture import retrace
+from dcp_compile.compiler.passes import sharded_attention_op  # noqa: F401  (registers dcp::sharded_attention)
+from dcp_compile.compiler.passes.context import PassContext
+from dcp_compile.compiler.passes.find_attention import SDPA, sdpa_argument
+from dcp_compile.compiler.passes.sequence_dims import (
+    ATTENTION, MIXING, SOURCE, TOKEN_LOCAL, VIEWS, SequenceAnalysis, SequenceDim, expression,
 )
-from dcp_compile.sequence_chunks import chunk_length, chunk_start
+from dcp_compile.compiler.symbolic_sizes import SymbolicSizes, UnknownSymbol
+from dcp_compile.compiler.sequence_chunks import chunk_length, chunk_start
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
+SCALAR_READS = (aten.item.default, aten._local_scalar_dense.default)
 
 
 class CannotShard(Exception):
@@ -96,6 +98,49 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
+def describe_node(n: fx.Node | None) -> str:
+    """A node as a user can find it: its op and the model line that produced it."""
+    if n is None:
+        return "the graph's inputs"
+    trace = (n.meta.get("stack_trace") or "").strip().splitlines()
+    where = next((line.strip() for line in reversed(trace) if line.strip().startswith("File")), "")
+    code = trace[-1].strip() if trace else ""
+    return f"{n.name} = {_op_label(n)}" + (f", {where}: {code}" if where else "")
+
+
+def _op_label(n: fx.Node) -> str:
+    return str(n.target).replace("aten.", "").replace(".default", "")
+
+
+REPLAY_LIMIT = 64  # ops replayed on full values for one gather avoided
+NOT_REPLAYED = {SDPA, aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default,
+                aten.addmm.default, aten.convolution.default, aten.conv2d.default, aten.conv3d.default,
+                aten.embedding.default}
+
+
+def _replay_order(node: fx.Node, full: dict, chunk: dict, limit: int) -> list[fx.Node] | None:
+    """The chunked ancestors of ``node`` to recompute on full values, in order; None when that
+    would replay a differentiable value, an expensive op, or more than ``limit`` ops."""
+    order: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+
+    def visit(n: fx.Node) -> bool:
+        if n in full or n in seen:
+            return True
+        seen.add(n)
+        value = n.meta.get("val")
+        if (n not in chunk or n.op != "call_function" or n.target in NOT_REPLAYED
+                or (isinstance(value, torch.Tensor) and value.requires_grad)
+                or (isinstance(value, (tuple, list)))):
+            return False
+        if not all(visit(source) for source in n.all_input_nodes):
+            return False
+        order.append(n)
+        return len(order) <= limit
+
+    return order if visit(node) else None
+
+
 class ShardingInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, ctx: PassContext, analysis: SequenceAnalysis, plan: ShardPlan):
         super().__init__(gm)
@@ -107,11 +152,19 @@ class ShardingInterpreter(fx.Interpreter):
         self.gathers: list[GatherRecord] = []
         self.rewrites: list[str] = []
         self.output_gathers = 0  # outputs gathered outside autograd (no backward collective)
+        self.symbolic = SymbolicSizes()
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        self.scalar_values = {placeholders[i]: value for i, value in ctx.scalar_values.items()}
+        self.local_fallbacks: list[str] = []  # sharded ops run on gathered inputs instead
+        self.replayed = 0
+        self.current: fx.Node | None = None  # chunked ops also replayed on full values instead of a gather
+        self.sharded_sites: list[str] = []
+        self.unsharded_sites: list[tuple[str, str]] = []
 
     # --- layout conversions --------------------------------------------------------------
 
     def _learn_length(self, value: torch.Tensor, seq: SequenceDim) -> None:
-        if self.length is None and seq.plain:
+        if self.length is None and seq.plain and expression(value.shape[seq.dim]) == self.analysis.length:
             self.length = value.shape[seq.dim]
 
     def _seq_of(self, node: fx.Node, index: int | None = None) -> SequenceDim:
@@ -126,23 +179,23 @@ class ShardingInterpreter(fx.Interpreter):
             raise CannotShard("the sequence length is only available in flattened form")
         if seq.plain:
             return collectives.narrow_to_chunk(value, seq.dim, self.length, self.sp_size, self.rank)
-        outer, inner = self._static_factors(seq)
+        outer, inner = self._factors(seq)
         shape = value.shape
         split = value.reshape(*shape[: seq.dim], outer, self.length, inner, *shape[seq.dim + 1 :])
         local = collectives.narrow_to_chunk(split, seq.dim + 1, self.length, self.sp_size, self.rank)
         return local.flatten(seq.dim, seq.dim + 2)
 
-    def _static_factors(self, seq: SequenceDim) -> tuple[int, int]:
-        if seq.outer.free_symbols or seq.inner.free_symbols:
-            raise CannotShard(f"a flattened sequence dimension with symbolic factors ({seq})")
-        return int(seq.outer), int(seq.inner)
+    def _factors(self, seq: SequenceDim) -> tuple[Any, Any]:
+        """``outer`` and ``inner`` of a flattened sequence dimension (``[B*S, V]`` logits with a
+        symbolic batch B), as ints or as SymInts of this trace."""
+        return self.symbolic.evaluate(seq.outer), self.symbolic.evaluate(seq.inner)
 
     def _gather(self, value: torch.Tensor, seq: SequenceDim) -> torch.Tensor:
         if self.length is None:
             raise CannotShard("a chunk must be gathered before the full length is known")
         if seq.plain:
             return collectives.gather_sequence(value, seq.dim, self.length, self.sp_size, self.group)
-        outer, inner = self._static_factors(seq)
+        outer, inner = self._factors(seq)
         shape = value.shape
         split = value.reshape(*shape[: seq.dim], outer, -1, inner, *shape[seq.dim + 1 :])
         full = collectives.gather_sequence(split, seq.dim + 1, self.length, self.sp_size, self.group)
@@ -169,6 +222,9 @@ class ShardingInterpreter(fx.Interpreter):
             return node
         if node in self.full:
             return self.full[node]
+        replayed = self._replay_full(node)
+        if replayed is not None:
+            return replayed
         value = self.chunk[node]
         if isinstance(value, (tuple, list)):
             gathered = type(value)(
@@ -184,16 +240,38 @@ class ShardingInterpreter(fx.Interpreter):
             log.info("dcp: %s", record)
         return gathered
 
+    def _replay_full(self, node: fx.Node) -> Any:
+        """The full value of a chunked ``node``, recomputed from full values instead of gathered.
+
+        Position ids, masks and cache positions are cheap functions of full inputs that the
+        sharded region also reads in chunks; a sequence-mixing consumer (a ``diff`` of position
+        ids, a mask built from them) then gets them by replaying the few ops on the full inputs,
+        which costs no collective. Only values that need no gradient are replayed: a replicated
+        copy of a differentiable value would count its gradient once per rank.
+        """
+        order = _replay_order(node, self.full, self.chunk, REPLAY_LIMIT)
+        if order is None:
+            return None
+        for n in order:
+            args = fx.map_arg(n.args, lambda a: self.full[a])
+            kwargs = fx.map_arg(n.kwargs, lambda a: self.full[a])
+            self.full[n] = getattr(self, n.op)(n.target, args, kwargs)
+        self.replayed += len(order)
+        return self.full[node]
+
     def _is_parameter(self, n: fx.Node) -> bool:
         index = [p for p in self.module.graph.nodes if p.op == "placeholder"].index(n)
-        return index in self.ctx.analysis.get("parameter_indices", ())
+        return index in self.ctx.analysis.parameter_indices
 
     # --- nodes ---------------------------------------------------------------------------
 
     def run_node(self, n: fx.Node) -> Any:
+        self.current = n
         with self._set_current_node(n):
             if n.op in ("placeholder", "get_attr"):
                 value = super().run_node(n)
+                if n.op == "placeholder":
+                    self.symbolic.learn(value)
                 if (n.op == "placeholder" and _is_tensor(value) and value.requires_grad
                         and self.sp_size > 1 and not self._is_parameter(n)):
                     value = collectives.replicated_input(value, self.group)
@@ -205,7 +283,16 @@ class ShardingInterpreter(fx.Interpreter):
             if n.op == "output":
                 return self._output(n)
             if n in self.plan.sharded_nodes:
-                value = self._run_sharded(n)
+                try:
+                    value = self._run_sharded(n)
+                except (CannotShard, UnknownSymbol) as why:
+                    # No rule fits this op on chunks: gather its inputs, run it full, and let its
+                    # consumers take their chunks of the result. The rest stays sharded.
+                    self.local_fallbacks.append(f"{n.name} ({_op_label(n)}): {why}")
+                    log.info("dcp: %s runs on gathered inputs: %s", n.name, why)
+                    value = self._run_full(n, reason=f"no chunked form: {why}")
+                    self.full[n] = value
+                    return value
                 if self.analysis.roles[n].rewrite:
                     self.full[n] = value  # a rewrite reduces over the sequence: its result is full
                 else:
@@ -218,11 +305,17 @@ class ShardingInterpreter(fx.Interpreter):
                 self._learn_length(value, role.sequence_dims[0])
             return value
 
-    def _run_full(self, n: fx.Node) -> Any:
+    def _run_full(self, n: fx.Node, reason: str = "") -> Any:
         if n.op == "call_function" and n.target is aten.sym_size.int:
             return self._sym_size(n)
-        args = fx.map_arg(n.args, lambda a: self.as_full(a, consumer=n))
-        kwargs = fx.map_arg(n.kwargs, lambda a: self.as_full(a, consumer=n))
+        if n.op == "call_function" and n.target in SCALAR_READS and n.args[0] in self.scalar_values:
+            return self.scalar_values[n.args[0]]
+        if self.sp_size > 1 and n.op == "call_function" and n.target is SDPA:
+            role = self.analysis.roles.get(n)
+            self.unsharded_sites.append((n.name, role.reason if role is not None and role.reason else
+                                         "its region holds no sequence-sharded value"))
+        args = fx.map_arg(n.args, lambda a: self.as_full(a, reason, consumer=n))
+        kwargs = fx.map_arg(n.kwargs, lambda a: self.as_full(a, reason, consumer=n))
         return getattr(self, n.op)(n.target, args, kwargs)
 
     def _sym_size(self, n: fx.Node) -> Any:
@@ -232,7 +325,7 @@ class ShardingInterpreter(fx.Interpreter):
         seq = self._seq_of(source)
         if dim % self.chunk[source].dim() != seq.dim:
             return self.chunk[source].size(dim)
-        outer, inner = self._static_factors(seq)
+        outer, inner = self._factors(seq)
         return self.length * outer * inner
 
     def _run_sharded(self, n: fx.Node) -> Any:
@@ -263,9 +356,11 @@ class ShardingInterpreter(fx.Interpreter):
             sizes, offset = list(args[1]), 0
         elif target is aten.unflatten.int:
             sizes, offset = list(args[2]), args[1] % (args[0].dim())
+        elif target in (aten.view_as.default, aten.reshape_as.default):
+            # The full-size template is not this rank's shape: reshape to the output's own sizes.
+            sizes = self._output_sizes(n)
+            return (args[0], sizes)
         else:
-            if target in (aten.view_as.default, aten.reshape_as.default):
-                raise CannotShard(f"{target} with a sequence-indexed operand")
             return args
         out_dim = self._seq_of(n).dim - offset
         if not 0 <= out_dim < len(sizes):
@@ -273,20 +368,26 @@ class ShardingInterpreter(fx.Interpreter):
         static = n.meta["val"].shape
         for index, size in enumerate(sizes):
             if index != out_dim and isinstance(size, int) and size == -1 and target is not aten.expand.default:
-                actual = static[index + offset]
-                if isinstance(actual, torch.SymInt):
-                    raise CannotShard(f"{n.name}: a view with two inferred (-1) sizes")
-                sizes[index] = int(actual)
+                # A second inferred size (``ids.view(-1, S)`` with a symbolic batch): spell it out.
+                sizes[index] = self.symbolic.evaluate(expression(static[index + offset]))
         sizes[out_dim] = -1
         if target is aten.unflatten.int:
             return (args[0], args[1], sizes, *args[3:])
         return (args[0], sizes, *args[2:])
+
+    def _output_sizes(self, n: fx.Node) -> list[Any]:
+        """The output's sizes on this rank: the traced sizes, -1 at the sequence dimension."""
+        seq = self._seq_of(n)
+        sizes = [self.symbolic.evaluate(expression(size)) for size in n.meta["val"].shape]
+        sizes[seq.dim] = -1
+        return sizes
 
     def _attention(self, n: fx.Node, aligned: set[fx.Node]) -> Any:
         query, key, value = n.args[:3]
         mask = sdpa_argument(n, "attn_mask")
         if self.length is None:
             raise CannotShard("attention before the sequence length is known")
+        self.sharded_sites.append(n.name)
         return torch.ops.dcp.sharded_attention(
             self.as_chunk(query),
             self.as_chunk(key) if key in aligned else self.as_full(key, consumer=n),
@@ -379,7 +480,9 @@ class ShardingInterpreter(fx.Interpreter):
                 return value
             local = self.chunk[node]
             if isinstance(local, (tuple, list)):
-                raise CannotShard("a tuple-valued graph output that is sharded")
+                gathered = self.as_full(node, "a tuple-valued graph output is returned in full", n)
+                return type(gathered)(collectives.scale_gradient(v, scale) if _is_tensor(v) and v.requires_grad else v
+                                      for v in gathered)
             seq = self._seq_of(node)
             if not local.requires_grad:
                 return self.as_full(node)
@@ -396,7 +499,7 @@ class ShardingInterpreter(fx.Interpreter):
 
 
 def shard_sequence_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    analysis: SequenceAnalysis = ctx.analysis["sequence"]
+    analysis = ctx.analysis.sequence
     plan = plan_sharding(analysis) if ctx.sp_size > 1 else ShardPlan()
     fallback_reason = None
     try:
@@ -405,7 +508,7 @@ def shard_sequence_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     except CannotShard as reason:
         log.warning("dcp: cannot shard this graph (%s); it runs unsharded on every rank of the "
                     "SP group (correct, but without sequence parallelism)", reason)
-        fallback_reason = str(reason)
+        fallback_reason = f"{reason} (at {describe_node(interpreter.current)})"
         plan = ShardPlan()
         interpreter = ShardingInterpreter(gm, ctx, analysis, plan)
         sharded = retrace(interpreter.run, ctx.fake_inputs, ctx.fake_mode)
@@ -413,9 +516,10 @@ def shard_sequence_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.variant_record.gathers.extend(interpreter.gathers)
         ctx.variant_record.rewrites.extend(interpreter.rewrites)
         ctx.variant_record.sharded_regions = plan.regions
+        ctx.variant_record.sharded_sites = interpreter.sharded_sites
+        ctx.variant_record.unsharded_sites = interpreter.unsharded_sites
         ctx.variant_record.output_gathers = interpreter.output_gathers
         ctx.variant_record.fallback_reason = fallback_reason
+        ctx.variant_record.local_fallbacks = interpreter.local_fallbacks
     return sharded
 
-
-shard_sequence_pass.returns_new_graph = True  # always a re-trace: the analysed graph is left as it was

@@ -60,7 +60,7 @@ def register() -> str:
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as error:
         raise ImportError(
-            "dcp_compile.huggingface needs a transformers release with AttentionInterface and "
+            "dcp_compile.runtime.huggingface needs a transformers release with AttentionInterface and "
             f"masking_utils.AttentionMaskInterface (the one installed lacks them: {error}); upgrade transformers"
         ) from error
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcp_compile.variants import RECOMPUTE_POLICIES, Bucket, Variant
+from dcp_compile.compiler.variant_selection import Bucket
+from dcp_compile.variant import RecomputePolicy, Variant
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 
@@ -15,8 +16,7 @@ class DCPOptions:
     sp_size: int | None = None  # static mode: one SP size for every batch (default: the world)
     inner: str = "inductor"
     buckets: tuple[Bucket, ...] = ()
-    recompute: str = "none"  # policy of the static variant
-    memory_budget: float | None = None
+    recompute: RecomputePolicy = RecomputePolicy.NONE  # policy of the static variant
     disable_passes: tuple[str, ...] = ()
     debug_dir: str | None = None
 
@@ -31,7 +31,7 @@ def _parse_bucket(entry: Any, index: int) -> Bucket:
     if not isinstance(entry, dict):
         raise TypeError(f"dcp: bucket {index} must be a dict like "
                         "{'max_len': 2048, 'sp_size': 1, 'recompute': 'none'}, got " f"{entry!r}")
-    known = {"max_len", "sp_size", "recompute", "memory_budget"}
+    known = {"max_len", "sp_size", "recompute"}
     unknown = set(entry) - known
     if unknown:
         raise ValueError(f"dcp: bucket {index} has unknown keys {sorted(unknown)}; valid keys: {sorted(known)}")
@@ -40,10 +40,10 @@ def _parse_bucket(entry: Any, index: int) -> Bucket:
     max_len = entry["max_len"]
     if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
         raise ValueError(f"dcp: bucket {index} has max_len={max_len!r}; use a positive int or None")
-    from dcp_compile.process_groups import validate_sp_size
+    from dcp_compile.runtime.process_groups import validate_sp_size
 
     sp_size = validate_sp_size(entry.get("sp_size", 1))
-    return Bucket(max_len, Variant(sp_size, entry.get("recompute", "none"), entry.get("memory_budget")))
+    return Bucket(max_len, Variant(sp_size, RecomputePolicy.parse(entry.get("recompute", "none"))))
 
 
 def parse_options(options: dict[str, Any] | None) -> DCPOptions:
@@ -57,12 +57,10 @@ def parse_options(options: dict[str, Any] | None) -> DCPOptions:
         raise ValueError(f"dcp: unknown inner compiler {inner!r}; use one of {list(INNER_COMPILERS)}")
     sp_size = options.get("sp_size")
     if sp_size is not None:
-        from dcp_compile.process_groups import validate_sp_size
+        from dcp_compile.runtime.process_groups import validate_sp_size
 
         sp_size = validate_sp_size(sp_size)
-    recompute = options.get("recompute", "none")
-    if recompute not in RECOMPUTE_POLICIES:
-        raise ValueError(f"dcp: unknown recompute policy {recompute!r}; use one of {list(RECOMPUTE_POLICIES)}")
+    recompute = RecomputePolicy.parse(options.get("recompute", "none"))
     buckets = tuple(_parse_bucket(entry, i) for i, entry in enumerate(options.get("buckets") or ()))
     max_lens = [b.max_len for b in buckets]
     if len(set(max_lens)) != len(max_lens):
@@ -72,7 +70,6 @@ def parse_options(options: dict[str, Any] | None) -> DCPOptions:
         inner=inner,
         buckets=buckets,
         recompute=recompute,
-        memory_budget=options.get("memory_budget"),
         disable_passes=tuple(options.get("disable_passes", ())),
         debug_dir=options.get("debug_dir"),
     )

@@ -1,0 +1,37 @@
+"""The FX passes, one concern per module, and the one place that lists them in order.
+
+Analysis passes run once per dynamo graph; variant passes run once per variant
+(SP size, recompute policy, packing) on the analysed graph.
+"""
+
+from __future__ import annotations
+
+from dcp_compile.compiler.passes.find_attention import find_attention_pass
+from dcp_compile.compiler.passes.insert_all_to_all import insert_all_to_all_pass
+from dcp_compile.compiler.passes.pipeline import GraphInput, GraphPass, run_passes
+from dcp_compile.compiler.passes.recompute import recompute_pass
+from dcp_compile.compiler.passes.sequence_dims import sequence_dims_pass
+from dcp_compile.compiler.passes.shard_sequence import shard_sequence_pass
+from dcp_compile.compiler.passes.use_varlen_attention import use_varlen_attention_pass
+from dcp_compile.compiler.variant_selection import active_sequence_boundaries
+
+ANALYSIS_PASSES: tuple[GraphPass, ...] = (
+    GraphPass(find_attention_pass),
+    GraphPass(sequence_dims_pass),
+)
+
+VARIANT_PASSES: tuple[GraphPass, ...] = (
+    # Re-traces the analysed graph, so the passes after it edit a graph of their own.
+    # Re-traces at SP 1 too: that bakes the scalar inputs' values (see Analysis.scalar_inputs).
+    GraphPass(shard_sequence_pass, runs_without_sharding=True, returns_new_graph=True),
+    GraphPass(insert_all_to_all_pass),
+    GraphPass(
+        use_varlen_attention_pass,
+        runs_without_sharding=True,
+        adds_input=GraphInput("dcp_cu_seqlens", active_sequence_boundaries),
+        adds_input_when=lambda ctx: ctx.packed,
+    ),
+    GraphPass(recompute_pass, runs_without_sharding=True),
+)
+
+__all__ = ["ANALYSIS_PASSES", "VARIANT_PASSES", "GraphInput", "GraphPass", "run_passes"]

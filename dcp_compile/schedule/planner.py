@@ -1,0 +1,276 @@
+"""Plan one step: which ranks run which sequences, packed how, with which SP size and recompute.
+
+The problem. A step's sequences must each run once, in micro-batches; a micro-batch packs one or
+more sequences and runs on an aligned block of ``s`` ranks (``s`` a power of two, ranks
+``[k*s, (k+1)*s)``) with one recompute policy, and must fit the memory cap. A rank's time is the
+sum of the micro-batches of the blocks it belongs to (see :mod:`dcp_compile.schedule.plan` for why that is
+exact); the step takes the longest rank's time, the *makespan*, which we minimise.
+
+How this differs from the published DCP schedulers, and why:
+
+1. **Nested blocks, not one partition per step.** The published schedulers split the world into
+   disjoint groups for a step (intra) or keep one group per bucket (inter). Here a rank can run a
+   micro-batch on a block of 8 and then short sequences on its own: blocks of different sizes
+   overlap, ordered largest first, so nobody waits. The long-tail case (one huge video and
+   thousands of images) then needs no compromise between a big group for the video and many
+   small groups for the images.
+2. **Packing across buckets.** Any sequences may share a micro-batch (varlen attention); short
+   ones are packed up to the memory cap instead of padding to a bucket's batch, which amortises
+   the fixed per-micro-batch cost (launches, all-to-all latency, weight reads).
+3. **Recompute per micro-batch from the cost model**, the fastest policy that fits, instead of a
+   per-bucket knapsack computed offline; the cap is 90% of memory, not 65-70%, because the plan is
+   computed from exact token counts rather than from a profile that must leave room for error.
+4. **A deterministic optimiser instead of random draws with magic penalties**:
+   (a) each sequence takes the SP size of least rank-seconds (the first size that holds it under
+   each recompute policy is the only candidate for that policy), unless it alone would outlast
+   the step: a binary search over target makespans then picks the sizes of these tall sequences,
+   charging each its whole fixed cost; (b) longest-processing-time placement with first-fit
+   packing: the big sequences first, across sizes, each on the block of its size with the least
+   maximum rank load (a tree of block maxima with one lazy heap per level), then the rest level
+   by level from a heap of block maxima; (c) a local search on the busiest rank: move a sequence to
+   the least-loaded block of its size or of the next feasible size up or down, or to the block
+   around the busy rank; swap it with a shorter one; or consolidate everything under one of the
+   busy rank's blocks into a single micro-batch on that block (the move that wins when fixed
+   costs dominate), while the makespan drops; (d) a merge pass that fuses micro-batches of a
+   block when that saves a fixed cost; (e) on small steps (at most 8 sequences and 8 ranks) a
+   bounded branch-and-bound that proves or improves the result. Everything depends only on the
+   inputs (no time limits, no unseeded randomness), so every rank derives the same plan.
+
+Measured (``tests/test_planner.py``, ``benchmarks/planner.py``): optimal on small steps (with
+(e)); without (e), within 2% of the exhaustive optimum on average and 15% at worst on random
+4-rank steps of up to 6 sequences; within 1-2% of a lower bound on 4096-sequence steps, in 15-50 ms
+of pure Python on a shared 2-core machine (about half that on an idle modern core).
+
+Assumption: peak memory depends only on a micro-batch's token count (flash/varlen attention), so
+"fits" is a token capacity per (SP size, policy), computed once from the cost model.
+
+The phases live in their own modules, each a function of one :class:`~.planning_state.PlanState`
+(the step's micro-batches and rank loads, with the moves they share): (a) :mod:`.levels`,
+(b) :mod:`.placement`, (c) and (d) :mod:`.local_search`, (e) :mod:`.exact_search`. This module
+keeps the tables they read (per SP size and policy: time coefficients and token capacities) and
+runs them in order.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from dcp_compile.variant import RECOMPUTE_POLICIES
+
+from .cost_model import CostModel
+from .exact_search import exact_search
+from .levels import choose_levels
+from .local_search import local_search, merge_micro_batches
+from .placement import place
+from .plan import Schedule
+from .planning_state import EPSILON, PlanningError, PlanState
+
+__all__ = ["Planner", "PlannerConfig", "PlanningError", "plan_step"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Knobs of the planner; the defaults are what the benchmarks use.
+
+    ``local_search_evaluations`` bounds the local search by a count of candidate evaluations (not
+    by time: a time limit would make ranks disagree). ``exact_search_nodes`` is the node budget of
+    the branch-and-bound run on steps of at most ``exact_search_max_sequences`` sequences and
+    ``exact_search_max_ranks`` ranks (0 disables it).
+    """
+
+    memory_fraction: float = 0.9
+    max_tokens_per_rank: int | None = None
+    max_sp_size: int | None = None
+    local_search_evaluations: int = 8_000
+    exact_search_nodes: int = 40_000
+    exact_search_max_sequences: int = 8
+    exact_search_max_ranks: int = 8
+
+
+class Planner:
+    """Plans steps for one cost model, world size and memory cap (tables are built once)."""
+
+    def __init__(
+        self,
+        cost_model: CostModel,
+        world_size: int,
+        memory_fraction: float | None = None,
+        max_tokens_per_rank: int | None = None,
+        config: PlannerConfig | None = None,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        config = config or PlannerConfig()
+        overrides = {}
+        if memory_fraction is not None:
+            overrides["memory_fraction"] = memory_fraction
+        if max_tokens_per_rank is not None:
+            overrides["max_tokens_per_rank"] = max_tokens_per_rank
+        self.config = replace(config, **overrides)
+        if not 0 < self.config.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.config.memory_fraction}")
+        self.cost_model = cost_model
+        self.world_size = world_size
+        self.memory_cap = self.config.memory_fraction * cost_model.hardware.memory_capacity
+        limit = min(world_size, self.config.max_sp_size or world_size)
+        sizes = [1]
+        while sizes[-1] * 2 <= limit:
+            sizes.append(sizes[-1] * 2)
+        self.sizes = sizes
+        self.levels = len(sizes)
+        self.blocks_per_level = [world_size // s for s in sizes]
+        self.block_offset = []
+        offset = 0
+        for count in self.blocks_per_level:
+            self.block_offset.append(offset)
+            offset += count
+        self.num_blocks = offset
+        policies = len(RECOMPUTE_POLICIES)
+        self.fixed = [[0.0] * policies for _ in sizes]
+        self.per_token = [[0.0] * policies for _ in sizes]
+        self.per_key = [[0.0] * policies for _ in sizes]
+        self.capacity = [[0] * policies for _ in sizes]
+        for j, size in enumerate(sizes):
+            for p, policy in enumerate(RECOMPUTE_POLICIES):
+                coefficients = cost_model.time_coefficients(size, policy)
+                self.fixed[j][p] = coefficients.fixed
+                self.per_token[j][p] = coefficients.per_token
+                self.per_key[j][p] = coefficients.per_token_key
+                capacity = cost_model.token_capacity(size, policy, self.memory_cap)
+                if self.config.max_tokens_per_rank is not None:
+                    capacity = min(capacity, self.config.max_tokens_per_rank * size)
+                self.capacity[j][p] = capacity
+        self.max_capacity = [max(row) for row in self.capacity]
+        # Per policy, the running maximum of the capacity over levels: the first level that holds a
+        # length under a policy is the first where this monotone reach covers it (bisect).
+        self.capacity_reach = []
+        for p in range(policies):
+            reach, running = [], 0
+            for j in range(len(sizes)):
+                running = max(running, self.capacity[j][p])
+                reach.append(running)
+            self.capacity_reach.append(reach)
+        # Is "SP 1, no recompute" the least work for every sequence that fits it? It is when every
+        # other (size, policy) costs at least as much per token and per token-key, counting the
+        # base choice's amortised fixed cost (true for any sane model; checked so that the fast
+        # path stays correct for odd cost models).
+        base_capacity = self.capacity[0][0]
+        self.fast_path = base_capacity > 0 and all(
+            size * self.per_token[j][p] >= self.per_token[0][0] + self.fixed[0][0] / base_capacity - EPSILON
+            and size * self.per_key[j][p] >= self.per_key[0][0] - EPSILON
+            for j, size in enumerate(sizes)
+            for p in range(policies)
+            if (j, p) != (0, 0)
+        )
+        if not self.fast_path:
+            log.info("planner fast path disabled: SP 1 without recompute is not the cheapest per token")
+
+    # ------------------------------------------------------------------ helpers on tables
+    def policy_for(self, level: int, tokens: int) -> int:
+        """The fastest policy under which ``tokens`` fit at ``level``, or -1."""
+        capacity = self.capacity[level]
+        for p in range(len(capacity)):
+            if tokens <= capacity[p]:
+                return p
+        return -1
+
+    def micro_batch_time(self, level: int, policy: int, tokens: int, keys: float) -> float:
+        """Seconds of a micro-batch of ``tokens`` (``keys`` token-keys) at ``level`` under ``policy``."""
+        return self.fixed[level][policy] + self.per_token[level][policy] * tokens + self.per_key[level][policy] * keys
+
+    # ------------------------------------------------------------------ public API
+    def plan(self, lengths: Sequence[int], spans: Sequence[float] | None = None) -> Schedule:
+        """The schedule of one step over sequences of ``lengths`` (``spans``: keys per query, default
+        the length). Raises :class:`PlanningError` if a sequence fits on no block."""
+        n = len(lengths)
+        if n == 0:
+            return Schedule(self.world_size, [], scheduler="dcp")
+        lengths = [int(x) for x in lengths]
+        if spans is None:
+            keys = [float(x) * x for x in lengths]
+        else:
+            if len(spans) != n:
+                raise ValueError(f"got {len(spans)} spans for {n} lengths; give one span per sequence")
+            keys = [float(x) * s for x, s in zip(lengths, spans)]
+        # The planner allocates many small objects and frees none: the cyclic collector would
+        # only add pauses of up to a few hundred ms over a large heap.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            state = PlanState(self, lengths, keys)
+            choose_levels(state)
+            place(state)
+            # Large steps are already within a fraction of a percent after placement (many small
+            # items balance well); the search budget goes to small steps, where it matters.
+            budget = min(self.config.local_search_evaluations, max(200, 2_000_000 // n))
+            local_search(state, budget)
+            merge_micro_batches(state)
+            if (
+                self.config.exact_search_nodes
+                and n <= self.config.exact_search_max_sequences
+                and self.world_size <= self.config.exact_search_max_ranks
+            ):
+                exact_search(state, self.config.exact_search_nodes)
+            return state.to_schedule()
+        finally:
+            if collecting:
+                gc.enable()
+
+    def lower_bound(self, lengths: Sequence[int], spans: Sequence[float] | None = None) -> float:
+        """A makespan no schedule can beat: the larger of the average least work per rank and the
+        longest sequence's least time (packing never makes a sequence cheaper than alone, bar the
+        shared fixed cost, which is left out)."""
+        if not lengths:
+            return 0.0
+        keys = [float(x) * x for x in lengths] if spans is None else [float(x) * s for x, s in zip(lengths, spans)]
+        total = 0.0
+        longest = 0.0
+        for length, key in zip(lengths, keys):
+            best_work = best_time = float("inf")
+            for j, size in enumerate(self.sizes):
+                p = self.policy_for(j, length)
+                if p < 0:
+                    continue
+                variable = self.per_token[j][p] * length + self.per_key[j][p] * key
+                best_work = min(best_work, size * variable)
+                best_time = min(best_time, self.fixed[j][p] + variable)
+            if best_work == float("inf"):
+                raise PlanningError(self.no_fit_message(length))
+            total += best_work
+            longest = max(longest, best_time)
+        return max(total / self.world_size, longest)
+
+    def no_fit_message(self, length: int) -> str:
+        largest = self.sizes[-1]
+        static = self.cost_model.memory_coefficients(1, "full").fixed_bytes
+        if static >= self.memory_cap:
+            return (
+                f"the model state alone ({static / 1e9:.1f} GB of parameters, gradients, optimizer state and "
+                f"runtime reserve) exceeds the memory cap of {self.memory_cap / 1e9:.1f} GB, so no sequence fits; "
+                "shard the optimizer state (CostModel(optimizer_shards=world size) for ZeRO-1), or check the "
+                "cost model's hardware and memory_fraction"
+            )
+        return (
+            f"a sequence of {length:,} tokens fits on no SP group: the largest group ({largest} ranks) "
+            f"holds at most {self.max_capacity[-1]:,} tokens under the memory cap of "
+            f"{self.memory_cap / 1e9:.1f} GB with full recompute"
+            + (f" and max_tokens_per_rank={self.config.max_tokens_per_rank}" if self.config.max_tokens_per_rank else "")
+            + "; split or truncate such samples, raise memory_fraction / max_tokens_per_rank, or use more ranks"
+        )
+
+
+def plan_step(
+    cost_model: CostModel,
+    lengths: Sequence[int],
+    world_size: int,
+    spans: Sequence[float] | None = None,
+    memory_fraction: float = 0.9,
+    max_tokens_per_rank: int | None = None,
+) -> Schedule:
+    """One-shot convenience: build a :class:`Planner` and plan one step."""
+    return Planner(cost_model, world_size, memory_fraction, max_tokens_per_rank).plan(lengths, spans)

@@ -1,0 +1,74 @@
+"""The vocabulary the compiler and the scheduler share: recompute policies and variants.
+
+The scheduler prices a ``Variant`` by name and the compiler builds it; both read the names from
+here, so the planner can never choose a policy the compiler does not build, and neither package
+imports the other.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class RecomputePolicy(str, enum.Enum):
+    """What a variant's backward recomputes instead of keeping from the forward.
+
+    * ``none``: keep every activation the backward needs;
+    * ``attention``: recompute each attention and what makes its queries, keys and values back to
+      their projections (the projections' inputs stay saved);
+    * ``selective``: ``attention``, plus every op that is not a matrix product (norms, activation
+      functions, elementwise ops): only matmul outputs and the block inputs are kept;
+    * ``full``: recompute everything from the graph inputs.
+
+    Collective outputs are kept under every policy (re-sending an all-to-all costs more than
+    storing its result). The values are strings, so ``policy == "full"`` and JSON work as before.
+    """
+
+    NONE = "none"
+    ATTENTION = "attention"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:  # equal to its name as a string, so hash like it (dict keys)
+        return hash(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def parse(cls, value: "RecomputePolicy | str | None") -> "RecomputePolicy":
+        """A policy from its name (``None`` means ``none``), with an error that lists the names."""
+        if value is None:
+            return cls.NONE
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(policy.value for policy in cls)
+            raise ValueError(f"dcp: unknown recompute policy {value!r}; use one of {names}") from None
+
+
+RECOMPUTE_POLICIES: tuple[RecomputePolicy, ...] = tuple(RecomputePolicy)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one compiled graph is specialized for: an SP size, a recompute policy, packing."""
+
+    sp_size: int = 1
+    recompute: RecomputePolicy = RecomputePolicy.NONE
+    packed: bool = False  # several sequences concatenated in one row: attention runs varlen over them
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", RecomputePolicy.parse(self.recompute))
+        if not isinstance(self.sp_size, int) or self.sp_size < 1:
+            raise ValueError(f"dcp: sp_size must be a positive int, got {self.sp_size!r}")
+        if not isinstance(self.packed, bool):
+            raise TypeError(f"dcp: Variant.packed must be a bool, got {self.packed!r} (memory_budget is gone: "
+                            "recompute='selective' now keeps exactly the matmul outputs)")
+
+    def __str__(self) -> str:
+        return f"sp={self.sp_size}/recompute={self.recompute.value}{'/packed' if self.packed else ''}"
