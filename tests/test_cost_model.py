@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from dcp_compile.cost_model import (
+from dcp_compile.schedule.cost_model import (
     COST_TERMS,
     RECOMPUTE_POLICIES,
     CalibrationPoint,
@@ -15,7 +15,7 @@ from dcp_compile.cost_model import (
     ModelProfile,
     video_attention_span,
 )
-from dcp_compile.hardware import Hardware
+from dcp_compile.schedule.hardware import Hardware
 
 PRESETS = ("stdit3-xl/2", "llama-3-8b")
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import dcp_compile as dcp
-from dcp_compile.demo import collate, run_demo
-from dcp_compile.example_models import TinyGPT
-from dcp_compile.plan import Schedule, ScheduledMicroBatch
-from dcp_compile.process_world import run_in_process_world
+from dcp_compile.demo.training_demo import collate, run_demo
+from dcp_compile.demo.example_models import TinyGPT
+from dcp_compile.schedule.plan import Schedule, ScheduledMicroBatch
+from dcp_compile.testing.process_world import run_in_process_world
 
 WORLD_SIZE = 4
 VOCAB, HIDDEN, LAYERS, HEADS = 64, 32, 2, 4

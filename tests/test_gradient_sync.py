@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from dcp_compile.cost_model import CostModel, ModelProfile
-from dcp_compile.gradient_sync import sync_gradients
-from dcp_compile.hardware import Hardware
-from dcp_compile.process_world import run_in_process_world
-from dcp_compile.sampler import DataCentricSampler
+from dcp_compile.schedule.cost_model import CostModel, ModelProfile
+from dcp_compile.runtime.gradient_sync import sync_gradients
+from dcp_compile.schedule.hardware import Hardware
+from dcp_compile.testing.process_world import run_in_process_world
+from dcp_compile.schedule.sampler import DataCentricSampler
 
 VOCAB = 17
 WIDTH = 8

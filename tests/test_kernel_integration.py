@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the layout kernels need triton (`pip install .[test]`)")
 
-from dcp_compile.process_world import run_in_process_world  # noqa: E402
+from dcp_compile.testing.process_world import run_in_process_world  # noqa: E402
 from parity import parity_worker  # noqa: E402
 
 TRITON_ON_CPU = {"DCP_KERNELS": "triton", "TRITON_INTERPRET": "1"}

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 import dcp_compile as dcp
-from dcp_compile.example_models import TinyGPT
-from dcp_compile.passes.use_varlen_attention import CannotPack
-from dcp_compile.process_world import run_in_process_world
+from dcp_compile.demo.example_models import TinyGPT
+from dcp_compile.compiler.passes.use_varlen_attention import CannotPack
+from dcp_compile.testing.process_world import run_in_process_world
 from model_zoo import ZOO
 
 PACKINGS = [(5, 9, 4), (7, 1, 6, 2, 3), (11,)]  # a length-1 sequence; a single sequence
@@ -103,7 +103,7 @@ def test_packed_rows_through_the_triton_kernels():
 
 def _huggingface_worker(rank, world_size):
     """LlamaForCausalLM (GQA 4/2) with attn_implementation='dcp': packed rows at SP 1 and SP 2."""
-    from dcp_compile.huggingface import use_packed_attention
+    from dcp_compile.runtime.huggingface import use_packed_attention
     from model_zoo import tiny_llama
 
     torch.manual_seed(0)
@@ -138,7 +138,7 @@ def test_huggingface_llama_packed_with_dcp_attention():
 
 def test_huggingface_dcp_attention_refuses_padding_masks():
     pytest.importorskip("transformers", reason="needs `pip install .[hf]`")
-    from dcp_compile.huggingface import use_packed_attention
+    from dcp_compile.runtime.huggingface import use_packed_attention
     from model_zoo import tiny_llama
 
     model = use_packed_attention(tiny_llama())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcp_compile.process_world import run_in_process_world
+from dcp_compile.testing.process_world import run_in_process_world
 from parity import parity_worker
 
 CORE_CASES = ["gpt", "dit", "vit", "handwritten_attention", "gqa", "no_attention"]

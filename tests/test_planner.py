@@ -12,16 +12,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dcp_compile.baseline_schedulers import (
+from dcp_compile.schedule.published_schedulers import (
     BucketParallelScheduler,
     DCPInterScheduler,
     DCPIntraScheduler,
     StaticSPScheduler,
     make_baselines,
 )
-from dcp_compile.cost_model import RECOMPUTE_POLICIES, CostModel, ModelProfile, video_attention_span
-from dcp_compile.hardware import Hardware
-from dcp_compile.planner import Planner, PlannerConfig, PlanningError
+from dcp_compile.schedule.cost_model import RECOMPUTE_POLICIES, CostModel, ModelProfile, video_attention_span
+from dcp_compile.schedule.hardware import Hardware
+from dcp_compile.schedule.planner import Planner, PlannerConfig, PlanningError
 
 # Four ranks in two "nodes" of two: SP 4 pays the slow link. Llama-8B with the optimizer sharded
 # over 4 ranks leaves ~9k tokens per rank without recompute, ~45k with full recompute: steps of

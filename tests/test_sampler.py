@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from dcp_compile.cost_model import CostModel, ModelProfile
-from dcp_compile.hardware import Hardware
-from dcp_compile.plan import StepPlan
-from dcp_compile.planner import PlanningError
-from dcp_compile.process_world import run_in_process_world
-from dcp_compile.sampler import DataCentricSampler, PlanMismatchError
+from dcp_compile.schedule.cost_model import CostModel, ModelProfile
+from dcp_compile.schedule.hardware import Hardware
+from dcp_compile.schedule.plan import StepPlan
+from dcp_compile.schedule.planner import PlanningError
+from dcp_compile.testing.process_world import run_in_process_world
+from dcp_compile.schedule.sampler import DataCentricSampler, PlanMismatchError
 
 COST_MODEL = CostModel(ModelProfile.from_config("llama-3-8b"), Hardware.H200, optimizer_shards=64)
 
