@@ -41,7 +41,7 @@ class ScheduledMicroBatch:
     positions: list[int]
     sp_size: int
     first_rank: int
-    recompute: str
+    recompute: RecomputePolicy  # the planner and the published schedulers give the enum
     predicted_time: float
     tokens: int
     round: int = 0  # schedules with several synchronised rounds per step (the published baselines)

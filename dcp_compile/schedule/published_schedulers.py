@@ -67,7 +67,7 @@ class BucketProfile:
     sp_size: int
     batch_size: int
     time: float
-    recompute: str
+    recompute: RecomputePolicy
 
 
 def bucketize(lengths: Sequence[int], max_buckets: int = 32) -> list[int]:
@@ -97,7 +97,7 @@ class _BaselineScheduler:
         *,
         memory_fraction: float = PUBLISHED_MEMORY_FRACTION,
         max_tokens_per_rank: int | None = None,
-        recompute: str = "full",
+        recompute: RecomputePolicy | str = RecomputePolicy.FULL,
         max_buckets: int = 32,
         seed: int = 0,
     ) -> None:
@@ -116,13 +116,13 @@ class _BaselineScheduler:
         self.sizes = sizes
 
     # ------------------------------------------------------------------ helpers
-    def fits(self, lengths: Sequence[int], sp_size: int, recompute: str | None = None) -> bool:
+    def fits(self, lengths: Sequence[int], sp_size: int, recompute: RecomputePolicy | str | None = None) -> bool:
         tokens = sum(lengths)
         if self.max_tokens_per_rank is not None and tokens > self.max_tokens_per_rank * sp_size:
             return False
         return self.cost_model.peak_memory(lengths, sp_size, recompute or self.recompute) <= self.memory_cap
 
-    def smallest_sp(self, length: int, recompute: str | None = None) -> int:
+    def smallest_sp(self, length: int, recompute: RecomputePolicy | str | None = None) -> int:
         for size in self.sizes:
             if self.fits([length], size, recompute):
                 return size
@@ -133,9 +133,9 @@ class _BaselineScheduler:
 
     def microbatch(
         self, positions: list[int], lengths: Sequence[int], spans: Sequence[float], sp_size: int,
-        first_rank: int, recompute: str | None = None, round_index: int = 0,
+        first_rank: int, recompute: RecomputePolicy | str | None = None, round_index: int = 0,
     ) -> ScheduledMicroBatch:
-        policy = recompute or self.recompute
+        policy = RecomputePolicy.parse(recompute or self.recompute)
         mb_lengths = [lengths[p] for p in positions]
         time = self.cost_model.time(mb_lengths, sp_size, policy, [spans[p] for p in positions])
         return ScheduledMicroBatch(
@@ -490,7 +490,7 @@ class DCPInterScheduler(_RoundScheduler):
             counts = [c * factor for c in counts]
         return counts
 
-    def _policy(self, batch: list[int], lengths: Sequence[int], sp_size: int) -> str | None:
+    def _policy(self, batch: list[int], lengths: Sequence[int], sp_size: int) -> RecomputePolicy | None:
         if not self.pyramid_recompute:
             return None
         mb_lengths = [lengths[p] for p in batch]

@@ -1,0 +1,143 @@
+"""The analytic model: seconds and bytes of one micro-batch from a profile and a hardware record.
+
+Every term is *separable* over the sequences of a micro-batch::
+
+    time(lengths, sp, recompute) = fixed(sp, recompute)
+                                   + per_token(sp, recompute) * sum(lengths)
+                                   + per_token_key(sp, recompute) * sum(length * span)
+
+``span`` is the number of keys a query attends to (see :mod:`.cost_model`); ``fixed`` is what a
+micro-batch pays however few tokens it has (kernel launches, all-to-all latency, reading the
+weights). Peak memory is ``static + bytes_per_token * sum(lengths)`` (flash/varlen attention
+keeps no quadratic buffer). The terms here are peak-rate seconds, before the scale factors
+(inverse efficiencies) that :class:`~.cost_model.CostModel` applies and calibration fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from dcp_compile.variant import RecomputePolicy
+
+from .hardware import Hardware
+
+if TYPE_CHECKING:
+    from .model_profile import ModelProfile
+
+COST_TERMS: tuple[str, ...] = ("linear", "attention", "memory", "communication", "overhead")
+
+# Inverse efficiencies before calibration: typical fractions of peak that bf16 training reaches
+# (matmuls ~60%, flash attention ~45%, memory-bound ops ~70%, NCCL all-to-all ~70%).
+DEFAULT_SCALES: dict[str, float] = {
+    "linear": 1 / 0.60,
+    "attention": 1 / 0.45,
+    "memory": 1 / 0.70,
+    "communication": 1 / 0.70,
+    "overhead": 1.0,
+}
+FLASH_BACKWARD_FLOP_RATIO = 2.5  # flash-attention backward does 5 matmuls to the forward's 2
+BACKWARD_FLOP_RATIO = 2.0  # weight and input gradients of every matmul
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class TimeCoefficients:
+    """``time = fixed + per_token * tokens + per_token_key * token_keys`` for one (sp, recompute)."""
+
+    fixed: float
+    per_token: float
+    per_token_key: float
+
+    def time(self, tokens: float, token_keys: float) -> float:
+        return self.fixed + self.per_token * tokens + self.per_token_key * token_keys
+
+
+@dataclass(frozen=True)
+class MemoryCoefficients:
+    """``peak_memory = fixed_bytes + bytes_per_token * tokens`` (tokens of the whole micro-batch,
+    already divided by the SP size inside ``bytes_per_token``)."""
+
+    fixed_bytes: float
+    bytes_per_token: float
+
+    def peak(self, tokens: float) -> float:
+        return self.fixed_bytes + self.bytes_per_token * tokens
+
+
+def token_sums(lengths: Sequence[int], spans: Sequence[float] | None) -> tuple[int, float]:
+    """(tokens, token-keys) of a micro-batch: ``sum(lengths)`` and ``sum(length * span)``."""
+    tokens = sum(lengths)
+    if spans is None:
+        token_keys = float(sum(length * length for length in lengths))
+    else:
+        if len(spans) != len(lengths):
+            raise ValueError(f"got {len(spans)} spans for {len(lengths)} lengths; give one span per sequence")
+        token_keys = float(sum(length * span for length, span in zip(lengths, spans)))
+    return tokens, token_keys
+
+
+def raw_term_coefficients(
+    profile: "ModelProfile", hardware: Hardware, sp_size: int, recompute: RecomputePolicy | str
+) -> dict[str, tuple[float, float, float]]:
+    """Unscaled seconds of each term as ``(fixed, per_token, per_token_key)`` coefficients."""
+    recompute = RecomputePolicy.parse(recompute)
+    if sp_size < 1:
+        raise ValueError(f"sp_size must be >= 1, got {sp_size}")
+    linear_extra, attention_extra, memory_extra = profile.recompute_forward_fraction[recompute]
+    flops = hardware.peak_flops
+    linear = profile.linear_flops_per_token * (1 + BACKWARD_FLOP_RATIO + linear_extra) / (sp_size * flops)
+    attention = (
+        profile.attention_flops_per_token_key * (1 + FLASH_BACKWARD_FLOP_RATIO + attention_extra) / (sp_size * flops)
+    )
+    memory_per_token = profile.memory_traffic_bytes_per_token * (1 + BACKWARD_FLOP_RATIO + memory_extra) / (
+        sp_size * hardware.memory_bandwidth
+    )
+    # Forward reads the weights once, backward twice (input and weight gradients).
+    memory_fixed = 3 * profile.parameter_bytes / hardware.memory_bandwidth
+    if sp_size > 1:
+        kv_width = profile.head_dim * max(profile.num_kv_heads, sp_size)  # GQA replicates KV heads
+        bytes_per_token_per_layer = profile.activation_dtype_bytes * (2 * profile.hidden_size + 2 * kv_width)
+        # 4 all-to-alls forward (q, k, v, out) and the same 4 backward, per attention layer.
+        volume_per_token = 2 * profile.num_attention_layers * bytes_per_token_per_layer / sp_size
+        communication_per_token = volume_per_token * hardware.all_to_all_seconds_per_byte(sp_size)
+        communication_fixed = 8 * profile.num_attention_layers * hardware.all_to_all_latency(sp_size)
+    else:
+        communication_per_token = communication_fixed = 0.0
+    overhead = profile.num_layers * hardware.layer_overhead_s
+    return {
+        "linear": (0.0, linear, 0.0),
+        "attention": (0.0, 0.0, attention),
+        "memory": (memory_fixed, memory_per_token, 0.0),
+        "communication": (communication_fixed, communication_per_token, 0.0),
+        "overhead": (overhead, 0.0, 0.0),
+    }
+
+
+def memory_coefficients(
+    profile: "ModelProfile",
+    sp_size: int,
+    recompute: RecomputePolicy | str,
+    *,
+    optimizer_shards: int = 1,
+    reserved_bytes: float = float(GiB),
+) -> MemoryCoefficients:
+    """Peak bytes on each rank of an ``sp_size`` group: model state plus, per token of the
+    micro-batch, what backward keeps (:meth:`ModelProfile.saved_activation_bytes_per_token`), one
+    layer's full set while that layer runs its backward, the head's transient logits and the
+    all-to-all buffers."""
+    recompute = RecomputePolicy.parse(recompute)
+    static = (
+        profile.parameter_bytes
+        + profile.gradient_bytes
+        + profile.optimizer_bytes / optimizer_shards
+        + reserved_bytes
+    )
+    saved = profile.saved_activation_bytes_per_token(recompute, sp_size)
+    working_layer = profile.activation_bytes_per_token["none"]  # one layer's full set during its backward
+    all_to_all_buffers = (
+        2 * profile.activation_dtype_bytes * (2 * profile.hidden_size + 2 * profile.head_dim * profile.num_kv_heads)
+        if sp_size > 1 else 0.0
+    )
+    per_token = (saved + working_layer + profile.output_bytes_per_token + all_to_all_buffers) / sp_size
+    return MemoryCoefficients(static, per_token)

@@ -1,0 +1,251 @@
+"""Profiles from a model's shape: the standard pre-norm transformer, named presets, Hugging Face configs.
+
+:func:`transformer_fields` is the accounting behind :meth:`ModelProfile.transformer`: matmul
+FLOPs (2 per multiply-add), and the bytes per token that backward keeps under each recompute
+policy, priced as the compiler builds the policies (``dcp_compile/compiler/passes/recompute.py``,
+vocabulary in :class:`dcp_compile.variant.RecomputePolicy`):
+
+* ``none``: everything autograd saves. Per layer: the norm inputs and their mean/rstd, the q/k/v
+  projection input, q, k, v, the attention output and its logsumexp, the output projection's
+  input (the ``[B, S, hidden]`` copy of the attention output), the MLP input, its hidden
+  activations (``fc1`` and activation outputs; gate, up, activation and product for a gated MLP);
+* ``attention``: recompute each attention and what makes its q, k, v back to (and including)
+  their projections: q, k, v, the attention output and logsumexp go; the projections' input, the
+  output projection's input and the MLP stay;
+* ``selective``: ``attention`` plus every op that is not a matrix product: only matmul outputs
+  stay (the output projection, the MLP's ``fc1`` (gate, up) and ``fc2``; the q/k/v projections
+  are recomputed with the attention);
+* ``full``: recompute everything from the block inputs: one ``[hidden]`` vector per token per layer.
+
+Under sequence parallelism the all-to-all outputs are kept whatever the policy (see
+:meth:`ModelProfile.saved_activation_bytes_per_token`). What lies outside the blocks (final norm,
+output head, loss) is priced per policy in ``head_activation_bytes_per_token``. Not priced:
+model-specific per-token tensors such as an in-graph RoPE table (``head_dim`` floats per token,
+shared by all layers); ``tests/test_recompute_pricing.py`` compares this accounting with what the
+compiled variants save.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from dcp_compile.variant import RecomputePolicy
+
+FP32_BYTES = 4  # norm statistics, attention logsumexp and the loss run in fp32 whatever the dtype
+TARGET_BYTES = 8  # int64 class targets the loss keeps
+
+
+def transformer_fields(
+    name: str,
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    ffn_hidden_size: int | None = None,
+    gated_mlp: bool = False,
+    vocab_size: int = 0,
+    causal: bool = True,
+    cross_attention_tokens: int = 0,
+    output_channels: int = 0,
+    dtype_bytes: int = 2,
+    gradient_dtype_bytes: int = 4,
+    optimizer_bytes_per_parameter: int = 12,
+    extra_parameters: int = 0,
+) -> dict[str, Any]:
+    """The :class:`ModelProfile` fields of a standard pre-norm transformer (see the module docstring)."""
+    kv_heads = num_kv_heads or num_heads
+    head_dim = hidden_size // num_heads
+    kv_width = kv_heads * head_dim
+    ffn = ffn_hidden_size or 4 * hidden_size
+    h = hidden_size
+    qkv_params = h * h + 2 * h * kv_width
+    attention_params = qkv_params + h * h
+    mlp_params = (3 if gated_mlp else 2) * h * ffn
+    cross_params = 2 * h * h if cross_attention_tokens else 0  # q and out projections per video token
+    block_params = attention_params + mlp_params + cross_params
+    head_params = h * (vocab_size or output_channels)
+    total_params = num_layers * (block_params + (2 * h * h if cross_attention_tokens else 0)) + head_params
+    total_params += vocab_size * h + extra_parameters  # embeddings
+
+    cross_core_flops = 4 * h * cross_attention_tokens  # q @ k^T and p @ v against the context
+    linear_flops = num_layers * (2 * block_params + cross_core_flops) + 2 * head_params
+    attention_flops = num_layers * 4 * h * (0.5 if causal else 1.0)
+
+    activation = layer_activation_bytes(
+        hidden_size=h, num_heads=num_heads, kv_width=kv_width, ffn_hidden_size=ffn, gated_mlp=gated_mlp,
+        cross_attention=bool(cross_attention_tokens), dtype_bytes=dtype_bytes,
+    )
+    head = head_activation_bytes(hidden_size=h, vocab_size=vocab_size, output_channels=output_channels, dtype_bytes=dtype_bytes)
+    # Forward work backward runs again, as fractions of (matmul FLOPs, attention FLOPs, memory-bound
+    # traffic). Matmuls: the q/k/v projections under ``attention`` and ``selective`` (the output
+    # projection and the MLP keep their outputs), every one under ``full``. Memory-bound traffic
+    # (proportional to the bytes ``none`` keeps): the ops between the q/k/v projections and the
+    # attention (RoPE, head layout) under ``attention``; every non-matmul op under ``selective``.
+    qkv_linear_share = (qkv_params + (h * h if cross_attention_tokens else 0)) / block_params
+    none_elements = activation["none"] / dtype_bytes
+    qkv_memory_share = min(1.0, (h + 2 * kv_width) / none_elements)
+    recompute = {
+        "none": (0.0, 0.0, 0.0),
+        "attention": (qkv_linear_share, 1.0, qkv_memory_share),
+        "selective": (qkv_linear_share, 1.0, 1.0),
+        "full": (1.0, 1.0, 1.0),
+    }
+    return dict(
+        name=name,
+        num_layers=num_layers,
+        num_attention_layers=num_layers,
+        hidden_size=h,
+        num_heads=num_heads,
+        num_kv_heads=kv_heads,
+        linear_flops_per_token=float(linear_flops),
+        attention_flops_per_token_key=float(attention_flops),
+        activation_bytes_per_token=activation,
+        recompute_forward_fraction=recompute,
+        memory_traffic_bytes_per_token=float(2 * activation["none"] * num_layers),
+        output_bytes_per_token=float((vocab_size * (dtype_bytes + 4)) if vocab_size else 2 * output_channels * dtype_bytes),
+        parameter_bytes=float(total_params * dtype_bytes),
+        gradient_bytes=float(total_params * gradient_dtype_bytes),
+        optimizer_bytes=float(total_params * optimizer_bytes_per_parameter),
+        activation_dtype_bytes=dtype_bytes,
+        causal=causal,
+        head_activation_bytes_per_token=head,
+    )
+
+
+def layer_activation_bytes(
+    *,
+    hidden_size: int,
+    num_heads: int,
+    kv_width: int,
+    ffn_hidden_size: int,
+    gated_mlp: bool,
+    cross_attention: bool,
+    dtype_bytes: int,
+) -> dict[str, float]:
+    """Bytes per token one block keeps for backward, per recompute policy, at SP 1."""
+    h, ffn = hidden_size, ffn_hidden_size
+    # Elements of the activation dtype. Self-attention: norm input, q/k/v projection input, q, k, v,
+    # attention output, output projection input; of which ``attention`` keeps the first two and the last.
+    attention_all, attention_kept = 5 * h + 2 * kv_width, 3 * h
+    # Cross-attention to a fixed context (its keys and values are per sample, not per token):
+    # q projection input, q, attention output, output projection input.
+    cross_all, cross_kept = (4 * h, 2 * h) if cross_attention else (0, 0)
+    # MLP: norm input, fc1 input, then fc1 and activation outputs (gated: gate, up, act(gate), product).
+    mlp_all = 2 * h + (4 if gated_mlp else 2) * ffn
+    # Matmul outputs, what ``selective`` keeps: output projection(s), fc1 (gate and up), fc2.
+    matmul_outputs = h + (h if cross_attention else 0) + (2 if gated_mlp else 1) * ffn + h
+    # fp32: each norm's mean and rstd (2 norms), each attention's logsumexp (one per head).
+    norm_stats = 2 * 2
+    logsumexp = num_heads * (2 if cross_attention else 1)
+    return {
+        RecomputePolicy.NONE.value: float((attention_all + cross_all + mlp_all) * dtype_bytes + (norm_stats + logsumexp) * FP32_BYTES),
+        RecomputePolicy.ATTENTION.value: float((attention_kept + cross_kept + mlp_all) * dtype_bytes + norm_stats * FP32_BYTES),
+        RecomputePolicy.SELECTIVE.value: float(matmul_outputs * dtype_bytes),
+        RecomputePolicy.FULL.value: float(h * dtype_bytes),
+    }
+
+
+def head_activation_bytes(*, hidden_size: int, vocab_size: int, output_channels: int, dtype_bytes: int) -> dict[str, float]:
+    """Bytes per token kept outside the blocks (final norm, output head, loss), per policy.
+
+    ``none`` and ``attention`` keep the final norm's input, statistics and output (the head's
+    input) and the loss's fp32 log-probabilities (a language model: plus its int64 targets) or
+    prediction; ``selective`` keeps the head's matmul output (the logits); ``full`` keeps the
+    last block's output and recomputes the rest.
+    """
+    if not vocab_size and not output_channels:
+        return {policy.value: 0.0 for policy in RecomputePolicy}
+    h = hidden_size
+    if vocab_size:
+        loss_kept = vocab_size * FP32_BYTES + TARGET_BYTES
+        matmul_output = vocab_size * dtype_bytes
+    else:
+        loss_kept = output_channels * FP32_BYTES
+        matmul_output = output_channels * dtype_bytes
+    kept = 2 * h * dtype_bytes + 2 * FP32_BYTES + loss_kept
+    return {
+        RecomputePolicy.NONE.value: float(kept),
+        RecomputePolicy.ATTENTION.value: float(kept),
+        RecomputePolicy.SELECTIVE.value: float(matmul_output),
+        RecomputePolicy.FULL.value: float(h * dtype_bytes),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Named presets and configs
+# ---------------------------------------------------------------------------------------------
+PRESETS: dict[str, dict[str, Any]] = {
+    # Open-Sora v1.2's 1.1B video DiT: 28 spatial + 28 temporal blocks, cross-attention to 300 T5 tokens.
+    "stdit3-xl/2": dict(
+        num_layers=56,
+        hidden_size=1152,
+        num_heads=16,
+        ffn_hidden_size=4 * 1152,
+        causal=False,
+        cross_attention_tokens=300,
+        output_channels=2 * 4 * 4,  # learned sigma x 4 latent channels x 2x2 patch
+        extra_parameters=4096 * 1152 + 1152 * 1152 * 6,  # caption projection, t-embedder
+    ),
+    "llama-3-8b": dict(
+        num_layers=32,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        ffn_hidden_size=14336,
+        gated_mlp=True,
+        vocab_size=128256,
+        causal=True,
+    ),
+}
+ALIASES: dict[str, str] = {
+    "stdit3-xl/2": "stdit3-xl/2", "stdit3-xl-2": "stdit3-xl/2", "open-sora-v1.2": "stdit3-xl/2",
+    "opensora-v1.2": "stdit3-xl/2", "stdit3": "stdit3-xl/2",
+    "llama-3-8b": "llama-3-8b", "llama3-8b": "llama-3-8b", "meta-llama-3-8b": "llama-3-8b",
+}
+
+
+def preset_shape(name: str) -> tuple[str, dict[str, Any]]:
+    """(canonical name, :func:`transformer_fields` keywords) of a named preset."""
+    key = ALIASES.get(name.lower().replace("_", "-"))
+    if key is None:
+        raise ValueError(
+            f"unknown model preset {name!r}; use 'stdit3-xl/2', 'llama-3-8b', a config dict, "
+            "or ModelProfile.transformer(...) / ModelProfile.measure(...)"
+        )
+    return key, dict(PRESETS[key])
+
+
+def config_shape(config: Mapping[str, Any] | Any) -> tuple[str, dict[str, Any]]:
+    """(name, :func:`transformer_fields` keywords) read from a dict or a Hugging Face-style config
+    (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
+    ``intermediate_size``, ``vocab_size``, ``hidden_act``)."""
+
+    def read(*names: str, default: Any = None) -> Any:
+        for name in names:
+            if isinstance(config, Mapping) and name in config:
+                return config[name]
+            if not isinstance(config, Mapping) and hasattr(config, name):
+                return getattr(config, name)
+        return default
+
+    hidden = read("hidden_size", "d_model", "n_embd")
+    layers = read("num_hidden_layers", "num_layers", "n_layer", "depth")
+    heads = read("num_attention_heads", "num_heads", "n_head")
+    if hidden is None or layers is None or heads is None:
+        raise ValueError(
+            "config lacks hidden_size / num_hidden_layers / num_attention_heads; "
+            "pass them in a dict or use ModelProfile.transformer(...)"
+        )
+    activation = str(read("hidden_act", "activation_function", default="gelu")).lower()
+    name = str(read("name_or_path", "_name_or_path", "model_type", default="transformer") or "transformer")
+    return name, dict(
+        num_layers=int(layers),
+        hidden_size=int(hidden),
+        num_heads=int(heads),
+        num_kv_heads=read("num_key_value_heads", default=None),
+        ffn_hidden_size=read("intermediate_size", "ffn_hidden_size", "n_inner", default=None),
+        gated_mlp=activation in ("silu", "swiglu", "swish"),
+        vocab_size=int(read("vocab_size", default=0) or 0),
+        causal=bool(read("is_causal", "causal", default=True)),
+    )
