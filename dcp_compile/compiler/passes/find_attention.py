@@ -32,31 +32,55 @@ VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 @dataclass
+class AttentionRegion:
+    """Hand-written attention SDPA cannot express (soft-capped scores, a ``torch.where`` mask, a
+    per-head bias): ``p = f(q @ k^T, side inputs); out = p @ v``. Every op of ``f`` works on the
+    scores' last two dims and broadcasts over batch and heads, so under Ulysses the region runs
+    unchanged on each rank's heads, its side inputs (masks, biases) cut to those heads."""
+
+    scores: fx.Node  # q @ k^T
+    key_transposed: fx.Node  # k^T, the second operand of ``scores``
+    nodes: tuple[fx.Node, ...]  # topological order, from key_transposed to the output matmul
+    side_inputs: tuple[fx.Node, ...]  # inputs of the region other than q, k, v
+
+    @property
+    def output(self) -> fx.Node:
+        return self.nodes[-1]
+
+
+@dataclass
 class AttentionSite:
     """One attention, as the sharding passes need it."""
 
-    node: fx.Node  # the SDPA node
-    spelling: str  # "sdpa" or "handwritten"
+    node: fx.Node  # the SDPA node, or the output matmul of a region
+    spelling: str  # "sdpa", "handwritten" (rewritten into SDPA) or "region"
     query_shape: tuple[str, ...]
     key_shape: tuple[str, ...]
+    region: AttentionRegion | None = None
 
     @property
     def query(self) -> fx.Node:
-        return self.node.args[0]
+        return self.region.scores.args[0] if self.region else self.node.args[0]
 
     @property
     def key(self) -> fx.Node:
-        return self.node.args[1]
+        return self.region.key_transposed.args[0] if self.region else self.node.args[1]
 
     @property
     def value(self) -> fx.Node:
-        return self.node.args[2]
+        return self.node.args[1] if self.region else self.node.args[2]
 
     @property
     def mask(self) -> fx.Node | None:
-        return sdpa_argument(self.node, "attn_mask")
+        return None if self.region else sdpa_argument(self.node, "attn_mask")
 
     def describe(self) -> str:
+        if self.region is not None:
+            sides = ", ".join(n.name for n in self.region.side_inputs)
+            ops = sorted({str(n.target).replace("aten.", "").split(".")[0] for n in self.region.nodes[1:-1]})
+            return (f"{self.node.name} (hand-written region: {', '.join(ops)}"
+                    f"{'; side inputs ' + sides if sides else ''}): "
+                    f"q[{', '.join(self.query_shape)}] k[{', '.join(self.key_shape)}]")
         causal = " causal" if sdpa_argument(self.node, "is_causal") else ""
         gqa = " gqa" if sdpa_argument(self.node, "enable_gqa") else ""
         mask = f" mask={self.mask.name}" if self.mask is not None else ""
@@ -64,6 +88,101 @@ class AttentionSite:
             f"{self.node.name} ({self.spelling}{causal}{gqa}{mask}): "
             f"q[{', '.join(self.query_shape)}] k[{', '.join(self.key_shape)}]"
         )
+
+
+REGION_OPS_EXTRA = {aten.softmax.int, aten._softmax.default, aten.dropout.default, aten.native_dropout.default,
+                    aten.clone.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
+                    aten.type_as.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
+                    aten.where.ScalarOther, aten.where.ScalarSelf, aten.contiguous.default, aten.detach.default}
+REGION_SEARCH_DEPTH = 24
+
+
+def _region_op_ok(node: fx.Node, scores_rank: int) -> bool:
+    """Ops a region may hold: elementwise ones and softmax over the last dim (head-local)."""
+    target = node.target
+    if target in (aten.softmax.int, aten._softmax.default):
+        return node.args[1] % scores_rank == scores_rank - 1
+    if target is operator.getitem:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and (torch.Tag.pointwise in target.tags or target in REGION_OPS_EXTRA)
+
+
+def find_attention_region(softmax: fx.Node) -> AttentionRegion | None:
+    """``out = f(q @ k^T) @ v`` around a softmax over the keys, for 4-D ``[B, H, S, D]`` operands."""
+    rank = _rank_of(softmax)
+    if rank != 4 or softmax.args[1] % rank != rank - 1:
+        return None
+    # Down from the softmax: single-user head-local ops up to the matmul with v.
+    output, node = None, softmax
+    for _ in range(REGION_SEARCH_DEPTH):
+        if len(node.users) != 1:
+            return None
+        user = next(iter(node.users))
+        if user.target in MATMULS and user.args[0] is node:
+            output = user
+            break
+        if not _region_op_ok(user, rank):
+            return None
+        node = user
+    if output is None or _rank_of(output.args[1]) != 4:
+        return None
+    # Up from the softmax: the one matmul q @ k^T that the scores come from.
+    scores, frontier, seen = None, [softmax], set()
+    while frontier:
+        current = frontier.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for source in current.all_input_nodes:
+            if source.target in MATMULS and _rank_of(source) == rank:
+                if scores is not None and scores is not source:
+                    return None
+                scores = source
+            elif _region_op_ok(source, rank) and _rank_of(source) == rank and len(seen) < REGION_SEARCH_DEPTH:
+                frontier.append(source)
+    if scores is None:
+        return None
+    key_transposed = scores.args[1]
+    if (not isinstance(key_transposed, fx.Node) or key_transposed.target not in TRANSPOSES
+            or not _swaps_last_two_dims(key_transposed) or len(key_transposed.users) != 1):
+        return None
+    if not (_rank_of(scores.args[0]) == _rank_of(key_transposed.args[0]) == 4):
+        return None
+    # The region: what lies on a path from the scores to the output; nothing else may read it.
+    between = {scores, key_transposed, output}
+    stack = [scores]
+    while stack:
+        current = stack.pop()
+        for user in current.users:
+            if user not in between and _reaches(user, output, REGION_SEARCH_DEPTH):
+                between.add(user)
+                stack.append(user)
+    for member in between - {output}:
+        if not set(member.users) <= between:
+            return None  # e.g. attention weights also returned (output_attentions=True)
+        if member not in (scores, key_transposed) and not _region_op_ok(member, rank):
+            return None
+    graph_order = {n: i for i, n in enumerate(softmax.graph.nodes)}
+    nodes = tuple(sorted(between, key=graph_order.__getitem__))
+    operands = {scores.args[0], key_transposed.args[0], output.args[1]}
+    sides = []
+    for member in nodes:
+        for source in member.all_input_nodes:
+            if source not in between and source not in operands and source not in sides:
+                sides.append(source)
+    return AttentionRegion(scores, key_transposed, nodes, tuple(sides))
+
+
+def _reaches(start: fx.Node, goal: fx.Node, depth: int) -> bool:
+    frontier, seen = [start], {start}
+    for _ in range(depth):
+        if goal in frontier:
+            return True
+        frontier = [user for node in frontier for user in node.users if user not in seen]
+        seen.update(frontier)
+        if not frontier:
+            return False
+    return False
 
 
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
@@ -227,6 +346,14 @@ def find_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for node in gm.graph.nodes
         if node.op == "call_function" and node.target is SDPA
     ]
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in SOFTMAXES:
+            region = find_attention_region(node)
+            if region is not None:
+                sites.append(AttentionSite(region.output, "region", _shape(region.scores.args[0]),
+                                           _shape(region.key_transposed.args[0]), region))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    sites.sort(key=lambda site: order[site.node])
     ctx.analysis.attention_sites = sites
     if not sites:
         log.info("dcp: no attention found in this graph; it runs unsharded on every rank")

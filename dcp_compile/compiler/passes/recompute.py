@@ -12,7 +12,8 @@ backward recomputes what the policy says and keeps the rest:
 * ``selective``: ``attention``, plus every op that is not a matrix product (norms, activation
   functions, elementwise ops, views): only matmul outputs are kept, the classic selective
   activation checkpointing, and what the cost model prices under the same name;
-* ``full``: everything is recomputed from the graph inputs.
+* ``full``: every block (``layers.3``, by module path) is recomputed from its input, which is
+  kept; ops outside the blocks are recomputed from the graph inputs.
 
 Under every policy collective outputs are saved (``MUST_SAVE``): recomputing them would re-send
 the all-to-alls in backward. Random ops (dropout) are saved too, so a recomputation never draws
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import re
 
 import torch
 import torch.fx as fx
@@ -84,14 +86,29 @@ def attention_inputs_region(sdpa: fx.Node) -> list[fx.Node]:
     return region
 
 
-def _tag(node: fx.Node, policy: CheckpointPolicy) -> None:
+BLOCK_PATH = re.compile(r"^(.*?(?:\.|\[)\d+\]?)(?:\.|$)")
+
+
+def block_of(node: fx.Node) -> str | None:
+    """The repeated block (``model.layers.3``) a node belongs to, from its module stack."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in stack.values():
+        match = BLOCK_PATH.match(str(path))
+        if match:
+            return match.group(1)
+    return None
+
+
+def _tag(node: fx.Node, policy: CheckpointPolicy, region: int = 0) -> None:
     node.meta["recompute"] = policy
-    node.meta["ac_graph_id"] = RECOMPUTE_GRAPH_ID
+    node.meta["ac_graph_id"] = RECOMPUTE_GRAPH_ID + region
+    node.meta["dcp_recompute_tag"] = True
 
 
 def recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     policy = ctx.recompute
     tagged = 0
+    blocks: dict[str, int] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and (is_collective(node) or is_random(node)):
             # Under every policy: the min-cut partitioner would otherwise be free to recompute a
@@ -99,10 +116,15 @@ def recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             # does) could then disagree on the collectives they issue, and hang.
             _tag(node, CheckpointPolicy.MUST_SAVE)
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.meta.get("ac_graph_id") == RECOMPUTE_GRAPH_ID:
+        if node.op != "call_function" or node.meta.get("dcp_recompute_tag"):
             continue  # already ours: collectives and random ops, or a region tagged above
         if policy == "full":
-            _tag(node, CheckpointPolicy.PREFER_RECOMPUTE)
+            # One region per block: the partitioner saves what crosses a region boundary (each
+            # block's input) and recomputes each block from it in backward, as block
+            # checkpointing does; what lies outside the blocks forms one region of its own.
+            block = block_of(node)
+            region = blocks.setdefault(block, len(blocks) + 1) if block is not None else 0
+            _tag(node, CheckpointPolicy.PREFER_RECOMPUTE, region)
             tagged += 1
         elif policy == "selective" and node.target not in PROJECTIONS and not is_attention(node):
             _tag(node, CheckpointPolicy.MUST_RECOMPUTE)
@@ -111,7 +133,7 @@ def recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             # MUST: a soft preference loses to keeping SDPA's output and logsumexp, which is
             # exactly what this policy gives up.
             for member in attention_inputs_region(node):
-                if member.meta.get("ac_graph_id") != RECOMPUTE_GRAPH_ID:
+                if not member.meta.get("dcp_recompute_tag"):
                     _tag(member, CheckpointPolicy.MUST_RECOMPUTE)
                     tagged += 1
     log.debug("dcp: recompute=%s tagged %d node(s) for recomputation", policy, tagged)

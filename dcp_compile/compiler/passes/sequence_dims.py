@@ -80,6 +80,8 @@ class SequenceAnalysis:
     length: Any  # sympy expression of the attention length, or None when there is no attention
     roles: dict[fx.Node, NodeRole] = field(default_factory=dict)
     graph: nx.DiGraph | None = None
+    regions: dict[fx.Node, AttentionSite] = field(default_factory=dict)  # hand-written region output -> site
+    region_members: dict[fx.Node, AttentionSite] = field(default_factory=dict)  # its other nodes -> site
 
     def dims_of(self, node: Any, index: int | None = None) -> tuple[SequenceDim, ...]:
         role = self.roles.get(node) if isinstance(node, fx.Node) else None
@@ -269,6 +271,20 @@ def _attention_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
         if other_seq is not None and other_seq.dim == rank - 2 and other_seq.plain:
             aligned.append(other)
     return RuleResult(ATTENTION, (SequenceDim(rank - 2),), tuple(aligned))
+
+
+def _region_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    """The output of a hand-written attention region: attention over q, k, v like SDPA's."""
+    site = analysis.regions[node]
+    seq = _single(analysis.dims_of(site.query))
+    if seq is None or seq.dim != 2 or not seq.plain:
+        return _mixing("attention whose queries are not sequence-indexed on dim -2", node, analysis)
+    aligned = [site.query]
+    for other in (site.key, site.value):
+        other_seq = _single(analysis.dims_of(other))
+        if other_seq is not None and other_seq.dim == 2 and other_seq.plain:
+            aligned.append(other)
+    return RuleResult(ATTENTION, (SequenceDim(2),), tuple(aligned))
 
 
 def _pointwise(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
@@ -497,6 +513,35 @@ def _scan_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     return RuleResult(TOKEN_LOCAL, analysis.dims_of(source), (source,))
 
 
+@rule(aten.topk.default, aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable,
+      aten.kthvalue.default)
+def _select_along_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    """Sorting or picking the top-k along a feature dimension (a router over experts) keeps tokens apart."""
+    source = node.args[0]
+    rank = _val(source).dim()
+    if node.target is aten.topk.default:
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    elif node.target is aten.kthvalue.default:
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    else:
+        dim = node.kwargs.get("dim", -1)
+        if len(node.args) > 1 and isinstance(node.args[1], int) and not isinstance(node.args[1], bool):
+            dim = node.args[1]
+    dim = _normalize(dim, rank)
+    dims = analysis.dims_of(source)
+    if any(seq.dim == dim for seq in dims):
+        return _mixing(f"{_op_name(node)} along the sequence dimension", node, analysis)
+    out = _val(node)
+    elements = tuple(dims for _ in out) if isinstance(out, (tuple, list)) else None
+    return RuleResult(TOKEN_LOCAL, dims, (source,), element_dims=elements)
+
+
+@rule(aten.one_hot.default)
+def _one_hot_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    source = node.args[0]
+    return RuleResult(TOKEN_LOCAL, analysis.dims_of(source), (source,))
+
+
 @rule(*REDUCTIONS)
 def _reduction_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     source = node.args[0]
@@ -607,6 +652,10 @@ def _sized_source(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
 def _classify(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     if node.op in ("placeholder", "get_attr"):
         return _sized_source(node, analysis)
+    if node in analysis.regions:
+        return _region_rule(node, analysis)
+    if node in analysis.region_members:
+        return RuleResult(ATTENTION, (), (), "inside a hand-written attention (runs on the rank's heads)")
     if node.op == "output":
         return RuleResult(NONE)
     has_seq_input = bool(_seq_inputs(node, analysis))
@@ -668,6 +717,10 @@ def fx_to_networkx(graph: fx.Graph) -> nx.DiGraph:
 def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite]) -> SequenceAnalysis:
     length = sequence_length_of(sites)
     analysis = SequenceAnalysis(length=length, graph=fx_to_networkx(gm.graph))
+    for site in sites:
+        if site.region is not None:
+            analysis.regions[site.node] = site
+            analysis.region_members.update((member, site) for member in site.region.nodes[:-1])
     if length is None:
         return analysis
     for node in nx.topological_sort(analysis.graph):

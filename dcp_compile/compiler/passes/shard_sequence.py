@@ -43,7 +43,8 @@ from dcp_compile.compiler.passes.sequence_dims import (
     ATTENTION, MIXING, SOURCE, TOKEN_LOCAL, VIEWS, SequenceAnalysis, SequenceDim, expression,
 )
 from dcp_compile.compiler.symbolic_sizes import SymbolicSizes, UnknownSymbol
-from dcp_compile.compiler.sequence_chunks import chunk_length, chunk_start
+from dcp_compile.compiler import ulysses
+from dcp_compile.compiler.sequence_chunks import chunk_length, chunk_lengths, chunk_start
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ def plan_sharding(analysis: SequenceAnalysis) -> ShardPlan:
         return plan
     alignment = nx.Graph()
     for node, role in analysis.roles.items():
+        if node in analysis.region_members:
+            continue  # follows its region's output (below)
         if role.role in (TOKEN_LOCAL, ATTENTION) or (role.role == MIXING and role.rewrite):
             alignment.add_node(node)
             for source in role.aligned_inputs:
@@ -91,6 +94,8 @@ def plan_sharding(analysis: SequenceAnalysis) -> ShardPlan:
                 if analysis.roles[n].role in (TOKEN_LOCAL, ATTENTION)
                 or (analysis.roles[n].role == MIXING and analysis.roles[n].rewrite)
             )
+    plan.sharded_nodes.update(member for member, site in analysis.region_members.items()
+                              if site.node in plan.sharded_nodes)
     return plan
 
 
@@ -282,6 +287,8 @@ class ShardingInterpreter(fx.Interpreter):
                 return value
             if n.op == "output":
                 return self._output(n)
+            if n in self.analysis.region_members and n in self.plan.sharded_nodes:
+                return None  # runs on the rank's heads when its region's output is reached
             if n in self.plan.sharded_nodes:
                 try:
                     value = self._run_sharded(n)
@@ -310,7 +317,7 @@ class ShardingInterpreter(fx.Interpreter):
             return self._sym_size(n)
         if n.op == "call_function" and n.target in SCALAR_READS and n.args[0] in self.scalar_values:
             return self.scalar_values[n.args[0]]
-        if self.sp_size > 1 and n.op == "call_function" and n.target is SDPA:
+        if self.sp_size > 1 and n.op == "call_function" and (n.target is SDPA or n in self.analysis.regions):
             role = self.analysis.roles.get(n)
             self.unsharded_sites.append((n.name, role.reason if role is not None and role.reason else
                                          "its region holds no sequence-sharded value"))
@@ -383,6 +390,8 @@ class ShardingInterpreter(fx.Interpreter):
         return sizes
 
     def _attention(self, n: fx.Node, aligned: set[fx.Node]) -> Any:
+        if n in self.analysis.regions:
+            return self._region_attention(n, aligned)
         query, key, value = n.args[:3]
         mask = sdpa_argument(n, "attn_mask")
         if self.length is None:
@@ -401,6 +410,46 @@ class ShardingInterpreter(fx.Interpreter):
             key in aligned,
             value in aligned,
         )
+
+    def _region_attention(self, n: fx.Node, aligned: set[fx.Node]) -> Any:
+        """A hand-written attention region under Ulysses, lowered here: its ops are arbitrary
+        head-local elementwise functions of the scores, which no marker op could carry. q, k, v
+        go to the rank's heads, the region's ops run there on those heads (masks and per-head
+        biases cut to the same heads), and the output comes back to the rank's chunk."""
+        if self.length is None:
+            raise CannotShard("attention before the sequence length is known")
+        site = self.analysis.regions[n]
+        query = self.as_chunk(site.query)
+        lengths = chunk_lengths(self.length, self.sp_size)
+        query_layout, kv_layout, _ = ulysses.plan_heads(query.shape[1], self._full_or_chunk(site.key, aligned, n).shape[1],
+                                                        self.sp_size, enable_gqa=False)
+
+        def to_heads(node: fx.Node, layout: ulysses.HeadLayout) -> torch.Tensor:
+            if node in aligned:
+                return ulysses.sequence_to_heads(self.as_chunk(node), layout, lengths, self.group)
+            full = self.as_full(node, "the keys/values of an attention are read in full", consumer=n)
+            return ulysses.select_heads(full, layout.of_rank(self.rank), False)
+
+        env = {site.query: ulysses.sequence_to_heads(query, query_layout, lengths, self.group),
+               site.key: to_heads(site.key, kv_layout), site.value: to_heads(site.value, kv_layout)}
+
+        def region_value(member: fx.Node, argument: Any) -> Any:
+            if argument in env:
+                return env[argument]
+            full = self.as_full(argument, "a mask or bias of an attention is read in full", consumer=member)
+            if _is_tensor(full) and full.dim() >= 3:
+                return ulysses.heads_of_rank(full, query_layout, self.rank, full.dim() - 3)
+            return full
+
+        for member in site.region.nodes:
+            args = fx.map_arg(member.args, lambda a: region_value(member, a))
+            kwargs = fx.map_arg(member.kwargs, lambda a: region_value(member, a))
+            env[member] = getattr(self, member.op)(member.target, args, kwargs)
+        self.sharded_sites.append(n.name)
+        return ulysses.heads_to_sequence(env[n], query.shape[1], query.shape[2], lengths, self.group)
+
+    def _full_or_chunk(self, node: fx.Node, aligned: set[fx.Node], consumer: fx.Node) -> torch.Tensor:
+        return self.as_chunk(node) if node in aligned else self.as_full(node, consumer=consumer)
 
     # --- rewrites: the sequence-mixing ops with a cheap exact form -------------------------
 

@@ -1,0 +1,146 @@
+"""Ulysses' layouts: a sequence chunk of every head, or every position of some heads.
+
+Before the forward all-to-all every rank holds ``[B, H, S_r, D]`` (its chunk of the sequence, all
+heads); after it ``[B, Hp, S, D]``: every position of the heads ``[r*Hp, (r+1)*Hp)``, so attention
+runs unchanged; the output goes back the same way. Heads that do not divide by P are padded to
+``P * ceil(H/P)`` by repeating a real head (the padded outputs are dropped, so their gradient is
+zero); GQA with KV heads that do not split evenly replicates the KV heads each rank needs. Sequence
+chunks may be uneven (and empty): the split sizes of the all-to-alls are the symbolic chunk lengths.
+
+Used by ``insert_all_to_all`` (SDPA sites) and ``shard_sequence`` (hand-written attention regions).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dcp_compile.compiler import collectives
+from dcp_compile.compiler.sequence_chunks import chunk_lengths
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Which source head fills each of the ``sp_size * per_rank`` head slots."""
+
+    num_heads: int  # heads of the operand as given
+    per_rank: int
+    source_heads: tuple[int, ...]  # length sp_size * per_rank
+
+    @property
+    def is_identity(self) -> bool:
+        return self.source_heads == tuple(range(self.num_heads))
+
+    def of_rank(self, rank: int) -> tuple[int, ...]:
+        return self.source_heads[rank * self.per_rank : (rank + 1) * self.per_rank]
+
+
+def plan_heads(query_heads: int, key_heads: int, sp_size: int, enable_gqa: bool) -> tuple[HeadLayout, HeadLayout, bool]:
+    """Head layouts for queries and keys/values, and whether SDPA still sees grouped heads."""
+    per_rank = math.ceil(query_heads / sp_size)
+    slots = per_rank * sp_size
+
+    def padded(heads: list[int]) -> tuple[int, ...]:
+        return tuple(heads + [heads[0]] * (slots - len(heads)))
+
+    query = HeadLayout(query_heads, per_rank, padded(list(range(query_heads))))
+    if key_heads == query_heads or not enable_gqa:
+        return query, HeadLayout(key_heads, per_rank, padded(list(range(key_heads)))), enable_gqa
+    if query_heads % sp_size == 0 and key_heads % sp_size == 0:
+        kv_per_rank = key_heads // sp_size
+        return query, HeadLayout(key_heads, kv_per_rank, tuple(range(key_heads))), True
+    group = query_heads // key_heads
+    expanded = [head // group for head in range(query_heads)]
+    return query, HeadLayout(key_heads, per_rank, padded(expanded)), False
+
+
+def select_heads(tensor: torch.Tensor, heads: tuple[int, ...], identity: bool) -> torch.Tensor:
+    if identity:
+        return tensor
+    index = torch.tensor(heads, dtype=torch.long, device=tensor.device)
+    return tensor.index_select(1, index)
+
+
+def use_layout_kernels(tensor: torch.Tensor) -> bool:
+    """The fused Triton layout kernels on CUDA (or when ``DCP_KERNELS=triton`` forces them)."""
+    from dcp_compile.kernels import kernel_backend
+
+    return kernel_backend(tensor) == "triton"
+
+
+def sequence_to_heads(chunk: torch.Tensor, layout: HeadLayout, lengths: list, group: str) -> torch.Tensor:
+    """``[B, H, S_r, D]`` chunk → ``[B, Hp, S, D]``: all positions of this rank's heads."""
+    batch, _, local, dim = chunk.shape
+    sp_size = len(lengths)
+    if use_layout_kernels(chunk):
+        from dcp_compile.kernels import pack_for_heads
+
+        index = None if layout.is_identity else torch.tensor(layout.source_heads, dtype=torch.long, device=chunk.device)
+        send = pack_for_heads(chunk, sp_size, layout.per_rank, index)  # one pass into the send buffer
+    else:
+        chunk = select_heads(chunk, layout.source_heads, layout.is_identity)
+        send = chunk.reshape(batch, sp_size, layout.per_rank, local, dim).permute(1, 3, 0, 2, 4)
+    send = send.reshape(sp_size * local, batch, layout.per_rank, dim)
+    received = collectives.all_to_all(send, lengths, [local] * sp_size, group)
+    return received.permute(1, 2, 0, 3)
+
+
+def heads_to_sequence(heads: torch.Tensor, num_heads: int, local: Any, lengths: list, group: str) -> torch.Tensor:
+    """``[B, Hp, S, D]`` → ``[B, H, S_r, D]``: this rank's chunk of every head."""
+    batch, per_rank, _, dim = heads.shape
+    sp_size = len(lengths)
+    if use_layout_kernels(heads):
+        from dcp_compile.kernels import pack_for_sequence, unpack_from_heads
+
+        received = collectives.all_to_all(pack_for_sequence(heads), [local] * sp_size, lengths, group)
+        return unpack_from_heads(received.view(sp_size, local, batch, per_rank, dim), num_heads)
+    send = heads.permute(2, 0, 1, 3)
+    received = collectives.all_to_all(send, [local] * sp_size, lengths, group)
+    out = received.view(sp_size, local, batch, per_rank, dim).permute(2, 0, 3, 1, 4)
+    out = out.reshape(batch, sp_size * per_rank, local, dim)
+    return out if out.shape[1] == num_heads else out[:, :num_heads]
+
+
+def heads_of_rank(mask: torch.Tensor | None, layout: HeadLayout, rank: int, head_dim: int) -> torch.Tensor | None:
+    """The mask rows of this rank's heads (a mask broadcast over heads is kept as it is)."""
+    if mask is None or mask.dim() < 3:
+        return mask
+    if mask.shape[head_dim] == 1:
+        return mask
+    index = torch.tensor(layout.of_rank(rank), dtype=torch.long, device=mask.device)
+    return mask.index_select(head_dim, index)
+
+
+def ulysses_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, full_length,
+                      key_is_chunk, value_is_chunk, *, sp_size: int, rank: int, group: str) -> torch.Tensor:
+    three_dim = query.dim() == 3
+    if three_dim:  # [N, S, D] hand-written attention: treat N as the head dimension
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+        if attn_mask is not None and attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(0)
+    if query.dim() != 4:
+        raise NotImplementedError(f"dcp: attention on {query.dim()}-D queries")
+    lengths = chunk_lengths(full_length, sp_size)
+    local = query.shape[2]
+    query_layout, kv_layout, gqa = plan_heads(query.shape[1], key.shape[1], sp_size, enable_gqa)
+
+    def to_heads(tensor: torch.Tensor, is_chunk: bool) -> torch.Tensor:
+        if is_chunk:
+            return sequence_to_heads(tensor, kv_layout, lengths, group)
+        return select_heads(tensor, kv_layout.of_rank(rank), False)
+
+    query_heads = sequence_to_heads(query, query_layout, lengths, group)
+    key_heads, value_heads = to_heads(key, key_is_chunk), to_heads(value, value_is_chunk)
+    mask = heads_of_rank(attn_mask, query_layout, rank, attn_mask.dim() - 3) if attn_mask is not None else None
+    out = F.scaled_dot_product_attention(
+        query_heads, key_heads, value_heads, attn_mask=mask, dropout_p=dropout_p,
+        is_causal=is_causal, scale=scale, enable_gqa=gqa,
+    )
+    out = heads_to_sequence(out, query.shape[1], local, lengths, group)
+    return out.squeeze(0) if three_dim else out
+
+
