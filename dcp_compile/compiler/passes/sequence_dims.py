@@ -205,7 +205,7 @@ POINTWISE_EXTRA = {
     aten.lift_fresh_copy.default, aten.dropout.default, aten.where.self, aten.where.ScalarOther,
     aten.where.ScalarSelf, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
-    aten.rand_like.default, aten.randn_like.default, aten.type_as.default, aten.copy.default,
+    aten.rand_like.default, aten.randn_like.default, aten.copy.default, aten.copy_.default,
     aten.native_dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
 }
 VIEWS = {
@@ -263,6 +263,8 @@ def _attention_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     query, key, value = node.args[:3]
     rank = _val(query).dim()
     seq = _single(analysis.dims_of(query))
+    if seq is not None and seq.dim < rank - 2:
+        return _rank_local_attention(node, analysis, seq)
     if seq is None or seq.dim != rank - 2 or not seq.plain:
         return _mixing("attention whose queries are not sequence-indexed on dim -2", node, analysis)
     aligned = [query]
@@ -271,6 +273,29 @@ def _attention_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
         if other_seq is not None and other_seq.dim == rank - 2 and other_seq.plain:
             aligned.append(other)
     return RuleResult(ATTENTION, (SequenceDim(rank - 2),), tuple(aligned))
+
+
+def _rank_local_attention(node: fx.Node, analysis: SequenceAnalysis, seq: SequenceDim) -> RuleResult:
+    """Attention whose batch (or head) dimension holds the sharded tokens: temporal attention over
+    the frames of each spatial position when a video model's spatial tokens are sharded. Every
+    rank attends over its own positions' frames: it runs on the chunk with no collective at all."""
+    query, key, value = node.args[:3]
+    for other in (key, value):
+        if _single(analysis.dims_of(other)) != seq:
+            return _mixing("attention over a batch dimension that holds the sequence, with keys or values "
+                           "laid out otherwise", node, analysis)
+    aligned = [query, key, value]
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if isinstance(mask, fx.Node):
+        if analysis.dims_of(mask):
+            if _single(analysis.dims_of(mask)) != seq.moved(seq.dim + _val(mask).dim() - _val(query).dim()):
+                return _mixing("attention whose mask is sequence-indexed differently", node, analysis)
+            aligned.append(mask)
+        else:
+            position = seq.dim + _val(mask).dim() - _val(query).dim()
+            if position >= 0 and not _equal(shape_of(_val(mask))[position], 1):
+                return _mixing("attention whose mask spans the sharded tokens without saying so", node, analysis)
+    return RuleResult(TOKEN_LOCAL, (seq,), tuple(aligned), reason="rank-local attention (over an unsharded dimension)")
 
 
 def _region_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
@@ -305,33 +330,37 @@ def _pointwise(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     if len(mapped) > 1:
         return _mixing("combines two sequence positions (an outer product)", node, analysis)
     dims = tuple(mapped.values())
-    if len(dims) == 1 and dims[0].plain:
-        aligned += _broadcast_partners(node, analysis, dims[0].dim, out_rank)
+    if len(dims) == 1:
+        aligned += _broadcast_partners(node, analysis, dims[0], out_rank)
     elements = None
     if isinstance(out, (tuple, list)):
         elements = tuple(dims if isinstance(e, torch.Tensor) and e.dim() == out_rank else () for e in out)
     return RuleResult(TOKEN_LOCAL, dims, tuple(aligned), element_dims=elements)
 
 
-def _broadcast_partners(node: fx.Node, analysis: SequenceAnalysis, out_dim: int, out_rank: int) -> list[fx.Node]:
+def _broadcast_partners(node: fx.Node, analysis: SequenceAnalysis, seq: SequenceDim, out_rank: int) -> list[fx.Node]:
     """Operands with no sequence dimension of their own that still span the sequence.
 
     ``x + pos_embed`` where ``x`` is ``[B, (H//2)**2, D]`` and ``pos_embed`` a ``[1, 9, D]``
     buffer: broadcasting makes the sizes equal at run time although the expressions differ, so the
     buffer is sequence-indexed too and must be cut to the same chunk (a size of 1 broadcasts).
+    The same holds for flattened tokens: a ``[B*L, 1, D]`` modulation built by
+    ``repeat_interleave`` next to ``[B*L, F, D]`` activations is cut to the rows the rank holds,
+    whatever its own expression, because an elementwise op pairs rows by index.
     """
     partners = []
     for source in _tensor_inputs(node):
         if analysis.dims_of(source):
             continue
         shape = shape_of(_val(source))
-        position = out_dim - (out_rank - len(shape))
+        position = seq.dim - (out_rank - len(shape))
         if position < 0 or _equal(shape[position], 1):
             continue
         role = analysis.roles.get(source)
         if role is not None and role.role not in (NONE, SOURCE):
             continue
-        analysis.roles[source] = NodeRole(SOURCE, (SequenceDim(position),), reason="spans the sequence by broadcasting")
+        analysis.roles[source] = NodeRole(SOURCE, (SequenceDim(position, seq.outer, seq.inner),),
+                                          reason="spans the sequence by broadcasting")
         partners.append(source)
     return partners
 
@@ -451,6 +480,15 @@ def _cat_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     if len(mapped) != 1 or len(seq_inputs) != len(tensors):
         return _mixing("concatenates values that are not all sequence-indexed alike", node, analysis)
     return RuleResult(TOKEN_LOCAL, tuple(mapped), tuple(tensors))
+
+
+@rule(aten.type_as.default)
+def _type_as_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    """``a.type_as(b)`` reads only ``b``'s dtype: it keeps ``a``'s layout, whatever ``b``'s shape."""
+    source, other = node.args[:2]
+    dims = analysis.dims_of(source)
+    aligned = (source, other) if dims and analysis.dims_of(other) else (source,)
+    return RuleResult(TOKEN_LOCAL if dims else NONE, dims, aligned if dims else ())
 
 
 @rule(aten.embedding.default)
@@ -702,7 +740,18 @@ def sequence_length_of(sites: list[AttentionSite]) -> Any:
             counts[length] = counts.get(length, 0) + 1
     if not counts:
         return None
-    return max(counts, key=lambda length: counts[length])
+    # Most sites first; on a tie (a video model alternating spatial and temporal attention) the
+    # longer length: sharding the spatial tokens leaves temporal attention rank-local, and a long
+    # dimension splits evenly over more ranks.
+    return max(counts, key=lambda length: (counts[length], _size_hint(length)))
+
+
+def _size_hint(expr: Any) -> int:
+    try:
+        hints = {symbol: 64 for symbol in expr.free_symbols}  # any equal sizes: products beat factors
+        return int(expr.xreplace(hints))
+    except (TypeError, ValueError):
+        return 0
 
 
 def fx_to_networkx(graph: fx.Graph) -> nx.DiGraph:

@@ -164,6 +164,7 @@ class ShardingInterpreter(fx.Interpreter):
         self.replayed = 0
         self.current: fx.Node | None = None  # chunked ops also replayed on full values instead of a gather
         self.sharded_sites: list[str] = []
+        self.rank_local_sites: list[str] = []
         self.unsharded_sites: list[tuple[str, str]] = []
 
     # --- layout conversions --------------------------------------------------------------
@@ -345,6 +346,8 @@ class ShardingInterpreter(fx.Interpreter):
         args = fx.map_arg(n.args, lambda a: self.as_chunk(a) if a in aligned else self.as_full(a, consumer=n))
         kwargs = fx.map_arg(n.kwargs, lambda a: self.as_chunk(a) if a in aligned else self.as_full(a, consumer=n))
         target = n.target
+        if target is SDPA:
+            self.rank_local_sites.append(n.name)  # attention over a dimension this rank holds whole
         if target in VIEWS or target is aten.expand.default:
             args = self._local_sizes(n, args)
             if target in (aten.view.default, aten._unsafe_view.default):
@@ -566,6 +569,7 @@ def shard_sequence_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.variant_record.rewrites.extend(interpreter.rewrites)
         ctx.variant_record.sharded_regions = plan.regions
         ctx.variant_record.sharded_sites = interpreter.sharded_sites
+        ctx.variant_record.rank_local_sites = interpreter.rank_local_sites
         ctx.variant_record.unsharded_sites = interpreter.unsharded_sites
         ctx.variant_record.output_gathers = interpreter.output_gathers
         ctx.variant_record.fallback_reason = fallback_reason
