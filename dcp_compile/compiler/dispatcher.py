@@ -25,6 +25,7 @@ from dcp_compile.compiler.passes.context import Analysis, PassContext
 from dcp_compile.compiler.passes.pipeline import GraphInput, GraphPass, run_passes
 from dcp_compile.runtime.process_groups import sp_group
 from dcp_compile.compiler.record import GraphRecord, VariantRecord
+from dcp_compile.compiler.self_check import check_first_call
 from dcp_compile.compiler.variant_selection import BucketTable, active_variant
 from dcp_compile.variant import Variant
 
@@ -77,6 +78,7 @@ class Dispatcher:
         # Keyed by the variant and the values of the graph's scalar inputs (baked per compile).
         self.compiled: dict[tuple[Variant, tuple[float, ...]], Callable] = {}
         self.added_inputs: dict[Variant, tuple[GraphInput, ...]] = {}  # declared by the variant's passes
+        self.checked: set[tuple[Variant, tuple[float, ...]]] = set()  # options={"check": True}: first calls done
         sequence = analysis.sequence
         self.read_length = make_length_reader(sequence.length if sequence else None, fake_inputs)
         self.buckets = BucketTable(list(options.buckets))
@@ -110,9 +112,15 @@ class Dispatcher:
         if records is not None and self.record not in records:
             records.append(self.record)
         added = self.added_inputs[variant]
-        if added:
-            return compiled(*args, *(graph_input.provide() for graph_input in added))
-        return compiled(*args)
+
+        def run() -> Any:
+            return compiled(*args, *(graph_input.provide() for graph_input in added)) if added else compiled(*args)
+
+        if self.options.check and not variant.packed and (variant, scalars) not in self.checked:
+            self.checked.add((variant, scalars))
+            group = sp_group(variant.sp_size).process_group if variant.sp_size > 1 else None
+            check_first_call(self.analysed, variant, args, run, self.analysis.parameter_indices, group)
+        return run()
 
     def compile_variant(self, variant: Variant, scalars: tuple[float, ...] = ()) -> Callable:
         start = time.perf_counter()

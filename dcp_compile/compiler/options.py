@@ -19,6 +19,7 @@ class DCPOptions:
     recompute: RecomputePolicy = RecomputePolicy.NONE  # policy of the static variant
     disable_passes: tuple[str, ...] = ()
     debug_dir: str | None = None
+    check: bool = False  # compare each variant's first call with the unsharded graph (dcp.check's light form)
 
     @property
     def valid_names(self) -> list[str]:
@@ -72,4 +73,5 @@ def parse_options(options: dict[str, Any] | None) -> DCPOptions:
         recompute=recompute,
         disable_passes=tuple(options.get("disable_passes", ())),
         debug_dir=options.get("debug_dir"),
+        check=bool(options.get("check", False)),
     )
