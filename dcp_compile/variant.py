@@ -16,10 +16,16 @@ class RecomputePolicy(str, enum.Enum):
 
     * ``none``: keep every activation the backward needs;
     * ``attention``: recompute each attention and what makes its queries, keys and values back to
-      their projections (the projections' inputs stay saved);
+      (and including) their projections (the projections' inputs stay saved);
     * ``selective``: ``attention``, plus every op that is not a matrix product (norms, activation
-      functions, elementwise ops): only matmul outputs and the block inputs are kept;
-    * ``full``: recompute everything from the graph inputs.
+      functions, elementwise ops, views): only matmul outputs are kept, not the block inputs (a
+      residual stream is recomputed from the matmul outputs that sum to it);
+    * ``full``: checkpoint per block (each repeated module ``blocks.N`` is one recompute region):
+      each block's input is kept and the block recomputed from it in backward. The ops outside
+      the blocks form one region of their own: what they hand every block (a RoPE table built
+      once) is kept like a block input, and what the head needs (final norm, output head, loss)
+      is recomputed, together with the last block, from the last block's input; the last block's
+      output is not kept.
 
     Collective outputs are kept under every policy (re-sending an all-to-all costs more than
     storing its result). The values are strings, so ``policy == "full"`` and JSON work as before.

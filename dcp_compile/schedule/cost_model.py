@@ -20,7 +20,8 @@ A recompute policy (:class:`~dcp_compile.variant.RecomputePolicy`, the names the
 trades memory for time: ``none`` keeps every activation; ``attention`` recomputes each attention
 and what makes its queries, keys and values back to (and including) their projections;
 ``selective`` also recomputes every op that is not a matrix product, keeping only matmul outputs;
-``full`` keeps only each block's input and recomputes the whole forward in backward. Collective
+``full`` keeps only each block's input (and what every block reads from outside, such as a RoPE
+table) and recomputes the whole forward, the head included, in backward. Collective
 outputs are never recomputed (re-sending an all-to-all costs more than storing its result), so
 under sequence parallelism every policy keeps them. The bytes each policy keeps are priced in
 :mod:`.presets` and checked against the compiled variants by ``tests/test_recompute_pricing.py``.

@@ -40,7 +40,8 @@ class ModelProfile:
         parameter_bytes / gradient_bytes / optimizer_bytes: model state per replica (the optimizer
             state may be sharded, see ``CostModel.optimizer_shards``).
         head_activation_bytes_per_token: bytes per token kept for backward outside the blocks
-            (final norm, output head, loss), per policy; zeros when not given.
+            (final norm, output head, loss; under ``full`` only what every block reads from
+            outside, such as a shared RoPE table), per policy; zeros when not given.
     """
 
     name: str
@@ -131,6 +132,7 @@ class ModelProfile:
         causal: bool = True,
         cross_attention_tokens: int = 0,
         output_channels: int = 0,
+        rotary: bool = False,
         dtype_bytes: int = 2,
         gradient_dtype_bytes: int = 4,
         optimizer_bytes_per_parameter: int = 12,
@@ -141,12 +143,15 @@ class ModelProfile:
         Counts matmul FLOPs exactly (2 per multiply-add) and the bytes each recompute policy keeps
         as the compiler builds it, with flash-attention accounting (no quadratic buffer); see
         :mod:`.presets`. ``cross_attention_tokens`` adds a cross-attention sub-block per layer to a
-        context of that many tokens (a DiT's text).
+        context of that many tokens (a DiT's text). ``rotary``: the model builds one RoPE table
+        (cos, sin) outside its blocks and hands it to every block, so ``full`` keeps it as a
+        block input.
         """
         return cls(**transformer_fields(
             name, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
             ffn_hidden_size=ffn_hidden_size, gated_mlp=gated_mlp, vocab_size=vocab_size, causal=causal,
-            cross_attention_tokens=cross_attention_tokens, output_channels=output_channels, dtype_bytes=dtype_bytes,
+            cross_attention_tokens=cross_attention_tokens, output_channels=output_channels, rotary=rotary,
+            dtype_bytes=dtype_bytes,
             gradient_dtype_bytes=gradient_dtype_bytes, optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
             extra_parameters=extra_parameters,
         ))

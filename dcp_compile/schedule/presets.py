@@ -15,14 +15,21 @@ vocabulary in :class:`dcp_compile.variant.RecomputePolicy`):
 * ``selective``: ``attention`` plus every op that is not a matrix product: only matmul outputs
   stay (the output projection, the MLP's ``fc1`` (gate, up) and ``fc2``; the q/k/v projections
   are recomputed with the attention);
-* ``full``: recompute everything from the block inputs: one ``[hidden]`` vector per token per layer.
+* ``full``: recompute every block from its input, which is kept: one ``[hidden]`` vector per
+  token per layer. The head (final norm, output head, loss) keeps nothing of its own: the ops
+  outside the blocks form one region whose partitioner id is the lowest, so the last block's
+  output is not a saved boundary and backward recomputes the last block and the head from the
+  last block's input (the head's matmul is in the ``full`` recompute fraction already). What the
+  ops outside the blocks hand to every block is kept as a block input too: a RoPE table built
+  once in the model (``rotary=True``: cos and sin, ``head_dim`` each per token).
 
 Under sequence parallelism the all-to-all outputs are kept whatever the policy (see
 :meth:`ModelProfile.saved_activation_bytes_per_token`). What lies outside the blocks (final norm,
-output head, loss) is priced per policy in ``head_activation_bytes_per_token``. Not priced:
-model-specific per-token tensors such as an in-graph RoPE table (``head_dim`` floats per token,
-shared by all layers); ``tests/test_recompute_pricing.py`` compares this accounting with what the
-compiled variants save.
+output head, loss, a shared RoPE table) is priced per policy in ``head_activation_bytes_per_token``.
+Not priced: the RoPE table under the other policies (the partitioner recomputes it from the
+positions, or under ``none`` keeps the angles: ``head_dim`` per token, under 1% of what ``none``
+keeps); ``tests/test_recompute_pricing.py`` compares this accounting with what the compiled
+variants save.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ def transformer_fields(
     causal: bool = True,
     cross_attention_tokens: int = 0,
     output_channels: int = 0,
+    rotary: bool = False,
     dtype_bytes: int = 2,
     gradient_dtype_bytes: int = 4,
     optimizer_bytes_per_parameter: int = 12,
@@ -76,7 +84,10 @@ def transformer_fields(
         hidden_size=h, num_heads=num_heads, kv_width=kv_width, ffn_hidden_size=ffn, gated_mlp=gated_mlp,
         cross_attention=bool(cross_attention_tokens), dtype_bytes=dtype_bytes,
     )
-    head = head_activation_bytes(hidden_size=h, vocab_size=vocab_size, output_channels=output_channels, dtype_bytes=dtype_bytes)
+    head = head_activation_bytes(
+        hidden_size=h, vocab_size=vocab_size, output_channels=output_channels, dtype_bytes=dtype_bytes,
+        rotary_dim=head_dim if rotary else 0,
+    )
     # Forward work backward runs again, as fractions of (matmul FLOPs, attention FLOPs, memory-bound
     # traffic). Matmuls: the q/k/v projections under ``attention`` and ``selective`` (the output
     # projection and the MLP keep their outputs), every one under ``full``. Memory-bound traffic
@@ -146,16 +157,22 @@ def layer_activation_bytes(
     }
 
 
-def head_activation_bytes(*, hidden_size: int, vocab_size: int, output_channels: int, dtype_bytes: int) -> dict[str, float]:
-    """Bytes per token kept outside the blocks (final norm, output head, loss), per policy.
+def head_activation_bytes(
+    *, hidden_size: int, vocab_size: int, output_channels: int, dtype_bytes: int, rotary_dim: int = 0,
+) -> dict[str, float]:
+    """Bytes per token kept outside the blocks (final norm, output head, loss, a shared RoPE table), per policy.
 
     ``none`` and ``attention`` keep the final norm's input, statistics and output (the head's
     input) and the loss's fp32 log-probabilities (a language model: plus its int64 targets) or
-    prediction; ``selective`` keeps the head's matmul output (the logits); ``full`` keeps the
-    last block's output and recomputes the rest.
+    prediction; ``selective`` keeps the head's matmul output (the logits); ``full`` keeps nothing
+    of the head (not even the last block's output: the head is recomputed, with the last block,
+    from the last block's input, which the layers' ``full`` entry counts) but keeps what every
+    block reads from outside: a RoPE table built once in the model, cos and sin of
+    ``rotary_dim`` each per token (0: none).
     """
+    rotary_table = float(2 * rotary_dim * dtype_bytes)
     if not vocab_size and not output_channels:
-        return {policy.value: 0.0 for policy in RecomputePolicy}
+        return {policy.value: rotary_table if policy == RecomputePolicy.FULL else 0.0 for policy in RecomputePolicy}
     h = hidden_size
     if vocab_size:
         loss_kept = vocab_size * FP32_BYTES + TARGET_BYTES
@@ -168,7 +185,7 @@ def head_activation_bytes(*, hidden_size: int, vocab_size: int, output_channels:
         RecomputePolicy.NONE.value: float(kept),
         RecomputePolicy.ATTENTION.value: float(kept),
         RecomputePolicy.SELECTIVE.value: float(matmul_output),
-        RecomputePolicy.FULL.value: float(h * dtype_bytes),
+        RecomputePolicy.FULL.value: rotary_table,
     }
 
 
@@ -196,6 +213,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         gated_mlp=True,
         vocab_size=128256,
         causal=True,
+        rotary=True,  # Hugging Face Llama builds cos/sin once and hands them to every layer
     ),
 }
 ALIASES: dict[str, str] = {
@@ -219,7 +237,8 @@ def preset_shape(name: str) -> tuple[str, dict[str, Any]]:
 def config_shape(config: Mapping[str, Any] | Any) -> tuple[str, dict[str, Any]]:
     """(name, :func:`transformer_fields` keywords) read from a dict or a Hugging Face-style config
     (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
-    ``intermediate_size``, ``vocab_size``, ``hidden_act``)."""
+    ``intermediate_size``, ``vocab_size``, ``hidden_act``; ``rope_theta`` marks a model that builds
+    one RoPE table for all its layers, as Hugging Face's Llama-family models do)."""
 
     def read(*names: str, default: Any = None) -> Any:
         for name in names:
@@ -248,4 +267,5 @@ def config_shape(config: Mapping[str, Any] | Any) -> tuple[str, dict[str, Any]]:
         gated_mlp=activation in ("silu", "swiglu", "swish"),
         vocab_size=int(read("vocab_size", default=0) or 0),
         causal=bool(read("is_causal", "causal", default=True)),
+        rotary=read("rope_theta", default=None) is not None,
     )
