@@ -9,6 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import dcp_compile as dcp
+from dcp_compile.testing.sharding_checks import sharding_problems
+
 from model_zoo import ZOO, eager_reference, output_tensors
 
 RTOL, ATOL = 1e-5, 1e-5
@@ -65,7 +68,7 @@ def parity_worker(rank: int, world_size: int, case_names: list[str], lengths: li
     """Compile each case once and check every length; raise with all mismatches found."""
     torch.manual_seed(0)
     problems: list[str] = []
-    checked = 0
+    checked = sharded_variants = 0
     for name in case_names:
         case = ZOO[name]
         torch._dynamo.reset()
@@ -77,12 +80,16 @@ def parity_worker(rank: int, world_size: int, case_names: list[str], lengths: li
         for length in lengths:
             try:
                 reference = eager_reference(case, length)
+                records = dcp.explain(compiled, **case.make_inputs(length))
                 actual = compiled_run(model, compiled, case, case.make_inputs(length))
             except Exception:
                 problems.append(f"{name}@{length}: raised\n{traceback.format_exc()}")
                 continue
             problems += compare(name, length, reference, actual, rtol, atol)
+            # Parity alone cannot tell sharded from a whole-graph unsharded run: check both.
+            problems += [f"{name}@{length}: {p}" for p in sharding_problems(records, case.gather_budget)]
+            sharded_variants += sum(1 for v in records.variant_records() if v.sp_size > 1 and v.sharded_sites)
             checked += 1
     if problems:
         raise AssertionError(f"rank {rank}: {len(problems)} parity problem(s):\n" + "\n".join(problems))
-    return {"checked": checked}
+    return {"checked": checked, "sharded_variants": sharded_variants}

@@ -18,6 +18,9 @@ CORE_CASES = ["gpt", "dit", "vit", "handwritten_attention", "gqa", "no_attention
 def run_parity(world_size: int, cases: list[str], lengths: list[int]) -> None:
     results = run_in_process_world(parity_worker, world_size, cases, lengths, "eager", timeout=1200)
     assert all(result["checked"] == len(cases) * len(lengths) for result in results)
+    if world_size > 1:  # every model with attention ran Ulysses at every length
+        with_attention = [name for name in cases if name != "no_attention"]
+        assert all(result["sharded_variants"] >= len(with_attention) * len(lengths) for result in results), results
 
 
 def test_single_process_world():

@@ -28,6 +28,7 @@ class VariantRecord:
     attention_sites: int = 0  # attention sites in the graph (the same for every variant)
     sharded_sites: list[str] = field(default_factory=list)  # attention run under Ulysses' all-to-all
     rank_local_sites: list[str] = field(default_factory=list)  # attention over a dimension the shard keeps whole
+    replicated_sites: list[str] = field(default_factory=list)  # attention over another, short sequence (text)
     unsharded_sites: list[tuple[str, str]] = field(default_factory=list)  # (site, why it ran on gathered inputs)
     gathers: list[Any] = field(default_factory=list)
     local_fallbacks: list[str] = field(default_factory=list)  # sharded ops that ran on gathered inputs
@@ -52,7 +53,7 @@ class VariantRecord:
     @property
     def is_sharded(self) -> bool:
         """Every attention site ran sharded (all-to-all or rank-local) and nothing fell back."""
-        covered = len(self.sharded_sites) + len(self.rank_local_sites)
+        covered = len(self.sharded_sites) + len(self.rank_local_sites) + len(self.replicated_sites)
         return self.fallback_reason is None and covered == self.attention_sites and not self.unsharded_sites
 
     def gather_reasons(self) -> collections.Counter:
@@ -66,8 +67,9 @@ class VariantRecord:
             return f"{self.variant}: UNSHARDED (whole graph): {self.fallback_reason}"
         if not self.attention_sites:
             return f"{self.variant}: no attention: runs replicated on every rank"
-        covered = len(self.sharded_sites) + len(self.rank_local_sites)
+        covered = len(self.sharded_sites) + len(self.rank_local_sites) + len(self.replicated_sites)
         local = f", {len(self.rank_local_sites)} rank-local" if self.rank_local_sites else ""
+        local += f", {len(self.replicated_sites)} over another sequence" if self.replicated_sites else ""
         reasons = "; ".join(f"{reason} x{count}" for reason, count in self.gather_reasons().most_common())
         line = (f"{self.variant}: sharded {covered}/{self.attention_sites} attention sites "
                 f"({len(self.sharded_sites)} all-to-all{local}) | gathers {len(self.gathers)}"

@@ -467,6 +467,13 @@ def _cat_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     out_rank = _val(node).dim()
     raw_dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     dim = _normalize(raw_dim, out_rank)
+    if node.target is aten.cat.default:
+        # An empty operand (a KV cache before its first update: [B, H, 0, D], or the legacy 1-D
+        # ``tensor([])``) adds nothing: the cat is the identity on what remains.
+        tensors = [t for t in tensors if not _is_empty(t, dim)]
+        if len(tensors) == 1 and analysis.dims_of(tensors[0]):
+            return RuleResult(TOKEN_LOCAL, analysis.dims_of(tensors[0]), (tensors[0],),
+                              reason="concatenation with an empty tensor")
     seq_inputs = [t for t in tensors if analysis.dims_of(t)]
     if not seq_inputs:
         return _sized_source(node, analysis)
@@ -480,6 +487,15 @@ def _cat_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     if len(mapped) != 1 or len(seq_inputs) != len(tensors):
         return _mixing("concatenates values that are not all sequence-indexed alike", node, analysis)
     return RuleResult(TOKEN_LOCAL, tuple(mapped), tuple(tensors))
+
+
+def _is_empty(node: fx.Node, dim: int) -> bool:
+    value = _val(node)
+    if not isinstance(value, torch.Tensor):
+        return False
+    if value.dim() == 1 and _equal(expression(value.shape[0]), 0):
+        return True
+    return value.dim() > dim and _equal(expression(value.shape[dim]), 0)
 
 
 @rule(aten.type_as.default)
@@ -527,6 +543,16 @@ def _matmul_rule(node, analysis):
     first, second = node.args[:2]
     if _val(first).dim() == 1:
         return _mixing("a vector-matrix product over the sequence", node, analysis)
+    first_seq, second_seq = _single(analysis.dims_of(first)), _single(analysis.dims_of(second))
+    first_rank, second_rank, out_rank = _val(first).dim(), _val(second).dim(), _val(node).dim()
+    if (first_seq is not None and second_seq is not None and first_seq.plain and second_seq.plain
+            and first_seq.dim == first_rank - 1 and second_seq.dim == second_rank - 2):
+        # ``k^T @ v`` of linear attention: a sum over the sequence, done locally plus one all-reduce.
+        return _mixing("a matrix product that sums over the sequence", node, analysis,
+                       rewrite="contract_over_sequence", aligned=(first, second))
+    if first_seq is None and not analysis.dims_of(first) and second_seq is not None and second_seq.dim == second_rank - 1:
+        # ``kv @ q^T`` with the tokens as columns: each output column is one token's.
+        return RuleResult(TOKEN_LOCAL, (second_seq.moved(out_rank - 1),), (second,))
     return _leading_dims_rule(node, analysis, first, 1, (second,))
 
 
@@ -723,6 +749,13 @@ def _classify(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
         extra = {d.dim for d in created.dims} - {d.dim for d in result.dims}
         if extra:
             return RuleResult(MIXING, (), (), "creates a second sequence dimension")
+    elif result.role == MIXING and not result.rewrite and not result.dims:
+        # A sequence-mixing op runs on the full sequence, but its output (a cumsum of a mask, a
+        # gathered unpatchify's neighbour) may still be indexed by it: record where, so that
+        # token-local consumers take their chunk of it instead of broadcasting the full value.
+        created = _sized_source(node, analysis)
+        if created.role == SOURCE:
+            result.dims = created.dims
     return result
 
 

@@ -165,6 +165,7 @@ class ShardingInterpreter(fx.Interpreter):
         self.current: fx.Node | None = None  # chunked ops also replayed on full values instead of a gather
         self.sharded_sites: list[str] = []
         self.rank_local_sites: list[str] = []
+        self.replicated_sites: list[str] = []
         self.unsharded_sites: list[tuple[str, str]] = []
 
     # --- layout conversions --------------------------------------------------------------
@@ -319,12 +320,21 @@ class ShardingInterpreter(fx.Interpreter):
         if n.op == "call_function" and n.target in SCALAR_READS and n.args[0] in self.scalar_values:
             return self.scalar_values[n.args[0]]
         if self.sp_size > 1 and n.op == "call_function" and (n.target is SDPA or n in self.analysis.regions):
-            role = self.analysis.roles.get(n)
-            self.unsharded_sites.append((n.name, role.reason if role is not None and role.reason else
-                                         "its region holds no sequence-sharded value"))
+            query = self.analysis.regions[n].query if n in self.analysis.regions else n.args[0]
+            if not self.analysis.dims_of(query) and expression(query.meta["val"].shape[-2]) != self.analysis.length:
+                # Over another, unsharded sequence (a text encoder's tokens, an audio stream):
+                # every rank computes it whole, as eager does; nothing to shard.
+                self.replicated_sites.append(n.name)
+            else:
+                role = self.analysis.roles.get(n)
+                self.unsharded_sites.append((n.name, role.reason if role is not None and role.reason else
+                                             "its region holds no sequence-sharded value"))
         args = fx.map_arg(n.args, lambda a: self.as_full(a, reason, consumer=n))
         kwargs = fx.map_arg(n.kwargs, lambda a: self.as_full(a, reason, consumer=n))
-        return getattr(self, n.op)(n.target, args, kwargs)
+        target = n.target
+        if target in (aten.view.default, aten._unsafe_view.default):
+            target = aten.reshape.default  # a gathered value need not be viewable where the original was
+        return getattr(self, n.op)(target, args, kwargs)
 
     def _sym_size(self, n: fx.Node) -> Any:
         source, dim = n.args
@@ -479,6 +489,11 @@ class ShardingInterpreter(fx.Interpreter):
             total = total / count
         return total
 
+    def _rewrite_contract_over_sequence(self, n: fx.Node) -> Any:
+        partial = getattr(self, n.op)(n.target, (self.as_chunk(n.args[0]), self.as_chunk(n.args[1])), n.kwargs)
+        self.rewrites.append(f"{n.name}: local matmul over the chunk + all-reduce")
+        return collectives.all_reduce_sum(partial, self.group)
+
     def _rewrite_loss_over_sequence(self, n: fx.Node) -> Any:
         logits, target = self.as_chunk(n.args[0]), self.as_chunk(n.args[1])
         op = n.target
@@ -570,6 +585,7 @@ def shard_sequence_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.variant_record.sharded_regions = plan.regions
         ctx.variant_record.sharded_sites = interpreter.sharded_sites
         ctx.variant_record.rank_local_sites = interpreter.rank_local_sites
+        ctx.variant_record.replicated_sites = interpreter.replicated_sites
         ctx.variant_record.unsharded_sites = interpreter.unsharded_sites
         ctx.variant_record.output_gathers = interpreter.output_gathers
         ctx.variant_record.fallback_reason = fallback_reason
