@@ -87,7 +87,9 @@ def plan_sharding(analysis: SequenceAnalysis) -> ShardPlan:
             for source in role.aligned_inputs:
                 alignment.add_edge(source, node)
     for component in nx.connected_components(alignment):
-        if any(analysis.roles[n].role == ATTENTION for n in component):
+        # With an attention, or downstream of an op that ran on gathered inputs (its output is
+        # full but still sequence-indexed): either way the token-local work runs on chunks again.
+        if any(analysis.roles[n].role == ATTENTION or _regathered(analysis.roles[n]) for n in component):
             plan.regions += 1
             plan.sharded_nodes.update(
                 n for n in component
@@ -97,6 +99,10 @@ def plan_sharding(analysis: SequenceAnalysis) -> ShardPlan:
     plan.sharded_nodes.update(member for member, site in analysis.region_members.items()
                               if site.node in plan.sharded_nodes)
     return plan
+
+
+def _regathered(role: Any) -> bool:
+    return role.role == MIXING and not role.rewrite and bool(role.sequence_dims)
 
 
 def _is_tensor(value: Any) -> bool:
