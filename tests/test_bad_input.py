@@ -44,8 +44,9 @@ def test_sp_size_must_fit_the_world():
 
 def _rank_left_out_worker(rank, world_size):
     """World 3: SP 2 is ranks 0-1; rank 2 is in no SP-2 group and is told so, without a hang."""
-    from dcp_compile.runtime.process_groups import sp_group
+    from dcp_compile.runtime.process_groups import create_sp_groups, sp_group
 
+    create_sp_groups([2])
     if rank < 2:
         assert sp_group(2).ranks == (0, 1)
     else:
@@ -101,3 +102,16 @@ def test_bucket_errors():
         parse_options({"buckets": [{"max_len": 4, "sp": 1}]})
     with pytest.raises(ValueError, match="share a max_len"):
         parse_options({"buckets": [{"max_len": 4}, {"max_len": 4}]})
+
+
+def _no_lazy_group_worker(rank, world_size):
+    """A forward call never creates process groups: an SP size nobody created is a clear error."""
+    from dcp_compile.runtime.process_groups import sp_group
+
+    with pytest.raises(ValueError, match=r"no process groups exist for SP size 2.*dcp.create_sp_groups\(\[2\]\)"):
+        sp_group(2)
+    return True
+
+
+def test_process_groups_are_never_created_lazily():
+    assert run_in_process_world(_no_lazy_group_worker, 2, timeout=120) == [True, True]

@@ -111,8 +111,14 @@ def sp_group(sp_size: int) -> SequenceParallelGroup:
         return SequenceParallelGroup(1, 0, (rank,), None)
     validate_sp_size(sp_size)
     if sp_size not in _created_sizes or _created_for_world != (dist.get_world_size(), id(dist.group.WORLD)):
-        # Only safe when every rank gets here together (the first compile does).
-        create_sp_groups([sp_size])
+        # Never created lazily: a forward call is no point where every rank is known to arrive
+        # together. The backend creates every power-of-two size (and the buckets' sizes) up front.
+        raise ValueError(
+            f"dcp: no process groups exist for SP size {sp_size}. Groups are created when the dcp "
+            f"backend compiles its first graph (every power of two up to the world, plus the buckets' "
+            f"sizes); for another size call dcp.create_sp_groups([{sp_size}]) on every rank right after "
+            "torch.distributed.init_process_group"
+        )
     if sp_size not in _groups:
         world, rank = dist.get_world_size(), dist.get_rank()
         blocks = blocks_of(sp_size, world)
