@@ -1090,7 +1090,6 @@ KNOWN_GAPS: dict[str, str] = {
     "hunyuan_video15": "WRONG GRADIENTS (silent, 8e-2 at 6cfc09a) with 2 gathers at slices of the joint sequence",
     "z_image": "WRONG GRADIENTS (silent, 3e-2 at 6cfc09a): view_as_complex RoPE gathered, an outer product of "
                "positions mixed",
-    "hunyuan_dit": "a text-pooling attention whose query is one pooled token is counted as unsharded",
 }
 
 CASES: dict[str, RealCase] = {
