@@ -97,6 +97,7 @@ def case_line(rows: list[dict[str, Any]]) -> str:
 def _normalise(text: str) -> str:
     """A failure message without the numbers and names that differ between models."""
     text = re.sub(r"graph \d+ sp=\S+", "graph", text)
+    text = re.sub(r"\bs\d+\b", "sN", text)  # symbolic sizes: s18, s42...
     text = re.sub(r"\b\d+(\.\d+)?(e-?\d+)?\b", "N", text)
     text = re.sub(r"'[^']*'", "'…'", text)
     return text[:200]
@@ -144,7 +145,7 @@ def render(by_case: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> st
         " `--render` rebuilds this file from `real_model_zoo.json`).",
         "",
         "Each case is compiled once (`torch.compile(model, backend=\"dcp\", dynamic=True, options={\"inner\": \"eager\", "
-        "\"sp_size\": 2})`) and run at an odd and an even token count (image/video DiTs: patches after patchify; ViT: "
+        f"\"sp_size\": {meta.get('world_size', 2)}}})`) and run at an odd and an even token count (image/video DiTs: patches after patchify; ViT: "
         "patches + CLS). A case passes when, for every SP>1 variant with attention, nothing fell back to running the "
         "whole graph unsharded, every attention site ran sharded, the mid-graph gathers stay within the case's budget "
         "(0 for LMs, encoders and token-in/token-out DiTs; 1 for the unpatchify of a latent-in DiT; stated per case in "
@@ -175,6 +176,9 @@ def render(by_case: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> st
         lines += ["", "## Failures by mechanism", "", "| kind | mechanism | cases |", "|---|---|---|"]
         for kind, mechanism, cases in groups:
             lines.append(f"| {kind} | {_cell(mechanism)} | {len(cases)}: {', '.join(cases)} |")
+    if meta.get("world_size", 2) == 1:
+        lines += ["", "At world size 1 nothing is sharded (no SP>1 variant): this run checks the zoo and the "
+                  "unsharded path of the backend; sites and gathers are 0 by construction."]
     lines += ["", "## Not in the zoo", "", "| diffusers class | why |", "|---|---|"]
     for name, why in sorted(rm.SKIPPED.items()):
         lines.append(f"| {name} | {_cell(why)} |")

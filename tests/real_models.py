@@ -1244,8 +1244,13 @@ def compare(expected: tuple[dict, dict], actual: tuple[dict, dict], rtol: float 
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+    """``Type: first line``; for a wrapper whose first line only says who raised
+    (``BackendCompilerFailed: backend='dcp' raised:``), the wrapped error's line follows it."""
+    text = [line for line in str(exc).strip().splitlines() if line.strip()]
+    line = f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+    if text and text[0].rstrip().endswith("raised:") and len(text) > 1:
+        line += " " + text[1][:300]
+    return line
 
 
 def _where(exc: BaseException) -> str:
@@ -1257,7 +1262,9 @@ def _where(exc: BaseException) -> str:
     frame = (ours or frames or [None])[-1]
     if frame is None:
         return ""
-    path = frame.filename.split("site-packages/")[-1].split("/work/main/")[-1]
+    path = frame.filename.split("site-packages/")[-1]
+    if "dcp_compile/" in path:
+        path = path[path.index("dcp_compile/"):]
     return f"{path}:{frame.lineno} ({frame.name})"
 
 
@@ -1357,6 +1364,9 @@ def zoo_worker(rank: int, world_size: int, case_name: str, lengths: tuple[int, .
     return rows
 
 
+_PEER_GONE = "Connection closed by peer"
+
+
 def run_case(case_name: str, world_size: int = 2, timeout: float = CASE_TIMEOUT, **kwargs: Any) -> list[dict[str, Any]]:
     """Run :func:`zoo_worker` on ``world_size`` gloo ranks; rank 0's rows, with any failure
     only another rank saw appended. A world that dies or times out gives error rows."""
@@ -1382,6 +1392,10 @@ def run_case(case_name: str, world_size: int = 2, timeout: float = CASE_TIMEOUT,
     for other_rank, other in enumerate(per_rank[1:], start=1):
         for row, other_row in zip(rows, other):
             row["failures"] += [f"rank {other_rank}: {f}" for f in other_row["failures"] if f not in row["failures"]]
+            if row["error"] and _PEER_GONE in row["error"] and other_row["error"] and _PEER_GONE not in other_row["error"]:
+                # rank 0 only saw its peer die in a collective: the peer's exception is the cause
+                row.update(error=f"rank {other_rank}: {other_row['error']}", error_where=other_row["error_where"],
+                           traceback=other_row["traceback"])
     for row in rows:
         row["world_seconds"] = round(time.perf_counter() - start, 1)
     return rows
