@@ -141,8 +141,10 @@ def render(by_case: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> st
         f"Library: {meta.get('library', '?')}. Machine: {meta.get('machine', '?')}. Run: {meta.get('date', '?')}, "
         f"world size {meta.get('world_size', 2)} (gloo), inner compiler `eager`, fp32, parity rtol = atol = {rm.RTOL:g}.",
         "",
-        "Regenerate: `PYTHONPATH=. python benchmarks/real_model_zoo.py` (`--quick` for the cases not marked slow;"
-        " `--render` rebuilds this file from `real_model_zoo.json`).",
+        ("Regenerate: `PYTHONPATH=. python benchmarks/real_model_zoo.py` (`--quick` for the cases not marked slow;"
+         " `--render` rebuilds this file from `real_model_zoo.json`)." if meta.get("world_size", 2) != 1 else
+         "Regenerate: `PYTHONPATH=. python benchmarks/real_model_zoo.py --world-size 1 --out "
+         "benchmarks/results/real_model_zoo_sp1.md`."),
         "",
         "Each case is compiled once (`torch.compile(model, backend=\"dcp\", dynamic=True, options={\"inner\": \"eager\", "
         f"\"sp_size\": {meta.get('world_size', 2)}}})`) and run at an odd and an even token count (image/video DiTs: patches after patchify; ViT: "
