@@ -261,6 +261,41 @@ class GPTModel(nn.Module):
         return loss, logits
 
 
+class ApproximateGelu(torch.autograd.Function):
+    """tanh-GeLU whose backward is a cheaper formula, not its derivative (BLOOM's ``GeLUFunction``
+    does the same): a compiler that differentiates the forward instead of running this backward
+    gives different gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return 0.5 * x * (1.0 + torch.tanh(0.79788456 * (x + 0.044715 * x * x * x)))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * torch.sigmoid(1.702 * x) * 1.25
+
+
+class CustomFunctionMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(ApproximateGelu.apply(self.up_proj(x)))
+
+
+class CustomFunctionGPT(GPTModel):
+    """The GPT decoder with its MLPs' activation written as a custom ``autograd.Function``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for layer in self.layers:
+            layer.mlp = CustomFunctionMLP(32, 64)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. DiT-style block model
 # ---------------------------------------------------------------------------------------------
@@ -870,6 +905,7 @@ ZOO: dict[str, ZooCase] = {
         ZooCase("vit", ViTModel, _vit_inputs, _first_output, _vit_len, max_seq_len=ViTModel.max_len),
         ZooCase("handwritten_attention", HandwrittenAttentionModel, _padded_inputs, _tensor_loss, _ids_len),
         ZooCase("gqa", GQAModel, _lm_inputs, _lm_loss, _ids_len, causal=True),
+        ZooCase("custom_function", CustomFunctionGPT, _lm_inputs, _lm_loss, _ids_len, causal=True),
         ZooCase("no_attention", NoAttentionModel, _ids_only_inputs, _tensor_loss, _ids_len),
         ZooCase(
             "hf_llama", tiny_llama, _hf_lm_inputs, _lm_loss, _ids_len,

@@ -1067,6 +1067,8 @@ QUICK = {  # about a minute each on CI's 2 cores: the rest run after them while 
 _JOINT = ("joint attention (text + image tokens concatenated into one attention): the concatenated "
           "sequence is sharded and its splits gather; sharding only the long modality is not built yet")
 _MOE = "MoE expert dispatch (sort/permute tokens by expert, grouped matmul) runs on gathered tokens"
+_ALIBI = ("its ALiBi attention (baddbmm of the bias with q and k^T on [B*H, S, D] views) is not found: 0 sites, "
+          "so SP 2 runs unsharded (exact); its custom GeLU backward is kept since the custom-autograd capture")
 _INPLACE = "in-place write into a slice of a replicated input (custom-Function view) raises in autograd"
 KNOWN_GAPS: dict[str, str] = {
     **{name: _JOINT for name in ("sd3", "flux", "flux2", "flux3", "bria", "chroma", "longcat_image", "ovis_image",
@@ -1083,11 +1085,8 @@ KNOWN_GAPS: dict[str, str] = {
                   "symbolic int; the hidden-state slice it bounds is gathered",
     "gpt2-sdpa": "a graph break in transformers (logging for config.loss_type) hands logits_to_keep over as a "
                  "symbolic int; the hidden-state slice it bounds is gathered",
-    "bloom-eager": "WRONG GRADIENTS (silent, 2.7e-3 at 6cfc09a) already at SP 1 with every variant pass disabled: "
-                   "the pre-dispatch ATen capture itself changes Bloom's gradients (aot_eager alone is exact); "
-                   "its ALiBi attention (baddbmm on [B*H, S, D]) is also not found",
-    "bloom-eager-nocache": "WRONG GRADIENTS (silent, 2.7e-3 at 6cfc09a) already at SP 1 with every variant pass "
-                           "disabled: the ATen capture changes Bloom's gradients; ALiBi baddbmm attention not found",
+    "bloom-eager": _ALIBI,
+    "bloom-eager-nocache": _ALIBI,
     "hunyuan_video15": "WRONG GRADIENTS (silent, 8e-2 at 6cfc09a) with 2 gathers at slices of the joint sequence",
     "z_image": "WRONG GRADIENTS (silent, 3e-2 at 6cfc09a): view_as_complex RoPE gathered, an outer product of "
                "positions mixed",

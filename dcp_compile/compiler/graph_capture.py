@@ -5,7 +5,9 @@ checkpointed regions as nested graph modules). One pre-dispatch ATen re-trace no
 that to a single spelling per op (``aten.linear``, ``aten.view``, ``aten.scaled_dot_product_attention``)
 while keeping the ops above autograd, so AOTAutograd can still differentiate the transformed graph.
 Checkpointed regions are inlined first, each of their nodes tagged the way AOTAutograd tags them
-(``recompute`` / ``ac_graph_id``), so the partitioner still recomputes them.
+(``recompute`` / ``ac_graph_id``), so the partitioner still recomputes them. Custom
+``autograd.Function`` calls become one op each that keeps the user's backward
+(:mod:`~dcp_compile.compiler.custom_autograd`): the re-trace alone would keep only their forward.
 
 Every later re-trace (the sharding passes rewrite by re-tracing) uses the same fake inputs, which
 carry the symbolic sizes dynamo allocated: the sequence length stays one symbol from end to end.
@@ -23,6 +25,8 @@ from torch.fx.experimental import _config as fx_config
 from torch._guards import TracingContext, detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
+
+from dcp_compile.compiler.custom_autograd import capture_custom_autograd_functions
 
 checkpoint_hop = torch.ops.higher_order.tag_activation_checkpoint
 
@@ -139,5 +143,6 @@ def capture_aten_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tup
     """Dynamo's graph as a pre-dispatch ATen graph, with its fake inputs and fake mode."""
     fake_inputs, fake_mode = fake_inputs_for(example_inputs)
     inline_checkpointed_regions(gm)
+    capture_custom_autograd_functions(gm, fake_mode)
     aten_gm = retrace(interpret(gm), fake_inputs, fake_mode)
     return aten_gm, fake_inputs, fake_mode

@@ -35,6 +35,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from dcp_compile.compiler.custom_autograd import custom_autograd_function, function_of
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import SDPA, AttentionSite
 
@@ -690,6 +691,15 @@ def _outer_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     if analysis.dims_of(right):
         return _mixing("an outer product with a sequence-indexed right operand", node, analysis)
     return RuleResult(TOKEN_LOCAL, analysis.dims_of(left), (left,))
+
+
+@rule(custom_autograd_function._opoverload)
+def _custom_autograd_function_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    """A user's ``autograd.Function``: token-local when its forward and backward are elementwise."""
+    function = function_of(node.args[0])
+    if function.elementwise:
+        return _pointwise(node, analysis)
+    return _mixing(f"custom autograd.Function at {function.name} is not elementwise", node, analysis)
 
 
 @rule(aten.sym_size.int)
