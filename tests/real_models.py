@@ -1087,7 +1087,10 @@ KNOWN_GAPS: dict[str, str] = {
                  "symbolic int; the hidden-state slice it bounds is gathered",
     "bloom-eager": _ALIBI,
     "bloom-eager-nocache": _ALIBI,
-    "hunyuan_video15": "WRONG GRADIENTS (silent, 8e-2 at 6cfc09a) with 2 gathers at slices of the joint sequence",
+    "hunyuan_video15": "a data-dependent `if` then a graph break inside a for loop make Dynamo run the rest of forward "
+                       "eagerly: proj_out runs outside the compiled graphs, in full on every rank (P-times gradient, "
+                       "now refused by dcp.sync_gradients and named by dcp.check); 2 gathers at slices of the joint "
+                       "text+video sequence",
     "z_image": "WRONG GRADIENTS (silent, 3e-2 at 6cfc09a): view_as_complex RoPE gathered, an outer product of "
                "positions mixed",
 }
@@ -1197,6 +1200,10 @@ def compiled_run(model: nn.Module, compiled: Any, case: RealCase, tokens: int, g
     inputs, _ = case.make_inputs(tokens)
     outputs = compiled(**inputs)
     case.loss_of(outputs).backward()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from dcp_compile.runtime.graph_parameters import check_parameters_in_graphs
+
+        check_parameters_in_graphs(model.named_parameters())  # what dcp.sync_gradients refuses
     grads = {}
     for name, param in model.named_parameters():
         if param.grad is None:

@@ -23,6 +23,7 @@ from dcp_compile.compiler.inner_compilers import INNER_COMPILERS, floats_already
 from dcp_compile.compiler.inspection import collecting_records, snapshots_requested
 from dcp_compile.compiler.passes.context import Analysis, PassContext
 from dcp_compile.compiler.passes.pipeline import GraphInput, GraphPass, run_passes
+from dcp_compile.runtime.graph_parameters import note_graph_call
 from dcp_compile.runtime.process_groups import sp_group
 from dcp_compile.compiler.record import GraphRecord, VariantRecord
 from dcp_compile.compiler.self_check import check_first_call
@@ -107,6 +108,7 @@ class Dispatcher:
             compiled = self.compile_variant(variant, scalars)
         variant_record = self.record.variants[variant]
         variant_record.calls += 1
+        note_graph_call([args[index] for index in self.analysis.parameter_indices], variant.sp_size)
         self.record.dispatches.append((self.read_length(args) if self.read_length and reason != "static" else "-", str(variant), reason))
         records = collecting_records()
         if records is not None and self.record not in records:

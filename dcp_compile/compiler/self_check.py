@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from dcp_compile.runtime.graph_parameters import parameters_outside_graphs
 from dcp_compile.compiler.inspection import explain
 from dcp_compile.compiler.record import ModelRecord
 
@@ -143,6 +144,11 @@ def _compare_outputs(report: CheckReport, actual: list[torch.Tensor], expected: 
 
 
 def _compare_gradients(report: CheckReport, module: nn.Module, reference: nn.Module, group: Any, rtol: float) -> None:
+    if report.sp_size > 1:
+        for name in parameters_outside_graphs(module.named_parameters()):
+            report.problems.append(f"gradient of {name}: computed in eager code outside the compiled graphs (a "
+                                   "graph break), in full on every rank: the SP-group sum counts it "
+                                   f"{report.sp_size} times")
     for (name, parameter), (_, expected) in zip(module.named_parameters(), reference.named_parameters()):
         if expected.grad is None and parameter.grad is None:
             continue

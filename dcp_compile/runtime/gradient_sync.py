@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from dcp_compile.runtime.graph_parameters import check_parameters_in_graphs
+
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
@@ -60,6 +62,8 @@ def sync_gradients(
         return
     if dist.get_world_size(group) == 1:
         return
+    if isinstance(model_or_params, torch.nn.Module):
+        check_parameters_in_graphs(model_or_params.named_parameters())
     gradients: list[torch.Tensor] = []
     for parameter in parameters:
         if parameter.grad is None:
