@@ -1091,8 +1091,9 @@ KNOWN_GAPS: dict[str, str] = {
                        "eagerly: proj_out runs outside the compiled graphs, in full on every rank (P-times gradient, "
                        "now refused by dcp.sync_gradients and named by dcp.check); 2 gathers at slices of the joint "
                        "text+video sequence",
-    "z_image": "WRONG GRADIENTS (silent, 3e-2 at 6cfc09a): view_as_complex RoPE gathered, an outer product of "
-               "positions mixed",
+    "z_image": "Dynamo graph breaks leave its patch and caption embedders in eager code (P-times gradient, now "
+               "refused by dcp.sync_gradients and named by dcp.check); view_as_complex RoPE gathered, an outer "
+               "product of positions mixed",
 }
 
 CASES: dict[str, RealCase] = {
