@@ -78,9 +78,14 @@ def token_sums(lengths: Sequence[int], spans: Sequence[float] | None) -> tuple[i
 
 
 def raw_term_coefficients(
-    profile: "ModelProfile", hardware: Hardware, sp_size: int, recompute: RecomputePolicy | str
+    profile: "ModelProfile", hardware: Hardware, sp_size: int, recompute: RecomputePolicy | str,
+    collectives_recomputed: bool = False,
 ) -> dict[str, tuple[float, float, float]]:
-    """Unscaled seconds of each term as ``(fixed, per_token, per_token_key)`` coefficients."""
+    """Unscaled seconds of each term as ``(fixed, per_token, per_token_key)`` coefficients.
+
+    ``collectives_recomputed``: whole-block checkpointing (the published system's): under ``full``
+    backward re-runs each block's forward, its 4 all-to-alls included, so a layer sends 12 of them
+    per micro-batch instead of 8."""
     recompute = RecomputePolicy.parse(recompute)
     if sp_size < 1:
         raise ValueError(f"sp_size must be >= 1, got {sp_size}")
@@ -98,10 +103,12 @@ def raw_term_coefficients(
     if sp_size > 1:
         kv_width = profile.head_dim * max(profile.num_kv_heads, sp_size)  # GQA replicates KV heads
         bytes_per_token_per_layer = profile.activation_dtype_bytes * (2 * profile.hidden_size + 2 * kv_width)
-        # 4 all-to-alls forward (q, k, v, out) and the same 4 backward, per attention layer.
-        volume_per_token = 2 * profile.num_attention_layers * bytes_per_token_per_layer / sp_size
+        # 4 all-to-alls forward (q, k, v, out) and the same 4 backward, per attention layer; a
+        # recomputed block sends its forward 4 again.
+        passes = 3 if collectives_recomputed and recompute == RecomputePolicy.FULL else 2
+        volume_per_token = passes * profile.num_attention_layers * bytes_per_token_per_layer / sp_size
         communication_per_token = volume_per_token * hardware.all_to_all_seconds_per_byte(sp_size)
-        communication_fixed = 8 * profile.num_attention_layers * hardware.all_to_all_latency(sp_size)
+        communication_fixed = 4 * passes * profile.num_attention_layers * hardware.all_to_all_latency(sp_size)
     else:
         communication_per_token = communication_fixed = 0.0
     overhead = profile.num_layers * hardware.layer_overhead_s
@@ -121,6 +128,7 @@ def memory_coefficients(
     *,
     optimizer_shards: int = 1,
     reserved_bytes: float = float(GiB),
+    collectives_recomputed: bool = False,
 ) -> MemoryCoefficients:
     """Peak bytes on each rank of an ``sp_size`` group: model state plus, per token of the
     micro-batch, what backward keeps (:meth:`ModelProfile.saved_activation_bytes_per_token`), one
@@ -133,7 +141,7 @@ def memory_coefficients(
         + profile.optimizer_bytes / optimizer_shards
         + reserved_bytes
     )
-    saved = profile.saved_activation_bytes_per_token(recompute, sp_size)
+    saved = profile.saved_activation_bytes_per_token(recompute, sp_size, collectives_recomputed)
     working_layer = profile.activation_bytes_per_token["none"]  # one layer's full set during its backward
     all_to_all_buffers = (
         2 * profile.activation_dtype_bytes * (2 * profile.hidden_size + 2 * profile.head_dim * profile.num_kv_heads)

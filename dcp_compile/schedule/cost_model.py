@@ -72,6 +72,9 @@ class CostModel:
 
     ``optimizer_shards`` divides the optimizer state (ZeRO-1 over the data-parallel world);
     ``reserved_bytes`` is what the runtime keeps for itself (CUDA context, NCCL and cuBLAS workspaces).
+    ``collectives_recomputed``: ``full`` means whole-block checkpointing, which re-sends the
+    blocks' all-to-alls in backward and keeps only block inputs (the published system; the
+    baselines plan with it), instead of our compiler's ``full``, which keeps the all-to-all outputs.
     Instances are immutable: every rank must plan with the same model, and a model that could change
     under a sampler would break that. :meth:`calibrate` returns a new one.
     """
@@ -82,6 +85,7 @@ class CostModel:
     optimizer_shards: int = 1
     reserved_bytes: float = float(GiB)
     calibration: CalibrationReport | None = field(default=None, compare=False)
+    collectives_recomputed: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.scales) - set(COST_TERMS)
@@ -112,7 +116,7 @@ class CostModel:
     # ------------------------------------------------------------------ coefficients
     def raw_term_coefficients(self, sp_size: int, recompute: RecomputePolicy | str) -> dict[str, tuple[float, float, float]]:
         """Unscaled seconds of each term as ``(fixed, per_token, per_token_key)`` coefficients."""
-        return raw_term_coefficients(self.profile, self.hardware, sp_size, recompute)
+        return raw_term_coefficients(self.profile, self.hardware, sp_size, recompute, self.collectives_recomputed)
 
     def time_coefficients(self, sp_size: int, recompute: RecomputePolicy | str = "none") -> TimeCoefficients:
         return _time_coefficients(self, sp_size, recompute)
@@ -229,4 +233,5 @@ def _time_coefficients(model: CostModel, sp_size: int, recompute: RecomputePolic
 def _memory_coefficients(model: CostModel, sp_size: int, recompute: RecomputePolicy | str) -> MemoryCoefficients:
     return memory_coefficients(
         model.profile, sp_size, recompute, optimizer_shards=model.optimizer_shards, reserved_bytes=model.reserved_bytes,
+        collectives_recomputed=model.collectives_recomputed,
     )

@@ -83,7 +83,9 @@ class ModelProfile:
         return self.hidden_size // self.num_heads
 
     # ------------------------------------------------------------------ saved activations
-    def saved_activation_bytes_per_token(self, recompute: RecomputePolicy | str, sp_size: int = 1) -> float:
+    def saved_activation_bytes_per_token(
+        self, recompute: RecomputePolicy | str, sp_size: int = 1, collectives_recomputed: bool = False,
+    ) -> float:
         """Bytes per token of a rank's share that backward keeps under ``recompute`` on ``sp_size``
         ranks: the layers' activations, what the head and loss keep and, under sequence
         parallelism, the all-to-all outputs that every policy keeps (re-sending one costs more
@@ -93,10 +95,17 @@ class ModelProfile:
         replicated up to the SP size), in place of the local q, k, v that ``none`` keeps at SP 1;
         ``attention`` keeps them too (its recomputation stops at the all-to-alls), and
         ``selective`` and ``full`` also keep the output all-to-all's result.
+
+        ``collectives_recomputed``: whole-block checkpointing as the published system does it
+        (``torch.utils.checkpoint`` around each block): under ``full`` a block keeps only its
+        input, the all-to-alls inside it run again in backward (priced as time by
+        :func:`.analytic.raw_term_coefficients`), so nothing per layer depends on the SP size.
         """
         recompute = RecomputePolicy.parse(recompute)
         saved = self.num_layers * self.activation_bytes_per_token[recompute]
         saved += self.head_activation_bytes_per_token[recompute]
+        if collectives_recomputed and recompute == RecomputePolicy.FULL:
+            return float(saved)
         if sp_size > 1:
             dtype = self.activation_dtype_bytes
             qkv_local = dtype * (self.hidden_size + 2 * self.head_dim * self.num_kv_heads)
@@ -111,10 +120,12 @@ class ModelProfile:
             saved += self.num_attention_layers * kept
         return float(saved)
 
-    def saved_activation_bytes(self, tokens: int, recompute: RecomputePolicy | str, sp_size: int = 1) -> float:
+    def saved_activation_bytes(
+        self, tokens: int, recompute: RecomputePolicy | str, sp_size: int = 1, collectives_recomputed: bool = False,
+    ) -> float:
         """Bytes each rank keeps for backward for a micro-batch of ``tokens`` tokens: the priced
         counterpart of the compiler's ``VariantRecord.saved_activation_bytes``."""
-        return self.saved_activation_bytes_per_token(recompute, sp_size) * tokens / sp_size
+        return self.saved_activation_bytes_per_token(recompute, sp_size, collectives_recomputed) * tokens / sp_size
 
     # ------------------------------------------------------------------ constructors
     @classmethod

@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy
@@ -102,7 +102,9 @@ class _BaselineScheduler:
         seed: int = 0,
     ) -> None:
         recompute = RecomputePolicy.parse(recompute)
-        self.cost_model = cost_model
+        # The published system checkpoints whole blocks: backward re-sends their all-to-alls and
+        # a block keeps only its input, whatever the SP size.
+        self.cost_model = replace(cost_model, collectives_recomputed=True)
         self.world_size = world_size
         self.memory_cap = memory_fraction * cost_model.hardware.memory_capacity
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -449,13 +451,19 @@ class DCPInterScheduler(_RoundScheduler):
     name = "dcp-inter"
 
     def __init__(
-        self, cost_model: CostModel, world_size: int, *, max_accumulation: int = 4, min_accumulation: int = 1,
+        self, cost_model: CostModel, world_size: int, *, max_accumulation: int = 5, min_accumulation: int = 15,
         pyramid_recompute: bool = True, **kwargs,
     ) -> None:
         super().__init__(cost_model, world_size, **kwargs)
         self.max_accumulation = max_accumulation
         self.min_accumulation = min_accumulation
         self.pyramid_recompute = pyramid_recompute
+        self._unchecked_cache: dict[BucketProfile, int] = {}
+
+    def _unchecked(self, profile: BucketProfile) -> int:
+        if profile not in self._unchecked_cache:
+            self._unchecked_cache[profile] = self.uncheckpointed_layers(profile)
+        return self._unchecked_cache[profile]
 
     @staticmethod
     def accumulation_counts(times: Sequence[float], max_accumulation: int, min_accumulation: int = 1) -> list[int]:
@@ -490,17 +498,55 @@ class DCPInterScheduler(_RoundScheduler):
             counts = [c * factor for c in counts]
         return counts
 
-    def _policy(self, batch: list[int], lengths: Sequence[int], sp_size: int) -> RecomputePolicy | None:
-        if not self.pyramid_recompute:
-            return None
-        mb_lengths = [lengths[p] for p in batch]
-        for policy in RECOMPUTE_POLICIES:
-            if self.fits(mb_lengths, sp_size, policy):
-                return policy
-        return None
+    def uncheckpointed_layers(self, profile: BucketProfile) -> int:
+        """The published pyramid recompute for one bucket: a 0/1 knapsack over the memory the
+        profiled (SP, batch) leaves under the cap, in whole GB, choosing which layers run without
+        checkpointing; an item is one layer (weight: the bytes it keeps beyond its input, value:
+        the forward time its recompute would cost). Returns how many layers are left unchecked."""
+        tokens = [profile.length] * profile.batch_size
+        full = self.cost_model.peak_memory(tokens, profile.sp_size, RecomputePolicy.FULL)
+        none = self.cost_model.peak_memory(tokens, profile.sp_size, RecomputePolicy.NONE)
+        layers = self.cost_model.profile.num_layers
+        spare_gb = int((self.memory_cap - full) // 1e9)
+        weight_gb = max(1, math.ceil((none - full) / layers / 1e9))
+        saved = (self._layer_times(profile)[0]) / layers
+        # 0/1 knapsack (best value by capacity); the items are alike, the DP is the published form.
+        best = [0.0] * (max(0, spare_gb) + 1)
+        chosen = [0] * (max(0, spare_gb) + 1)
+        for _ in range(layers):
+            for capacity in range(spare_gb, weight_gb - 1, -1):
+                if best[capacity - weight_gb] + saved > best[capacity]:
+                    best[capacity] = best[capacity - weight_gb] + saved
+                    chosen[capacity] = chosen[capacity - weight_gb] + 1
+        return chosen[spare_gb] if spare_gb >= 0 else 0
+
+    def _layer_times(self, profile: BucketProfile) -> tuple[float, float]:
+        """(recompute seconds the whole model costs, full-checkpoint time) of a full profiled batch."""
+        tokens = [profile.length] * profile.batch_size
+        spans = [profile.span] * profile.batch_size
+        full = self.cost_model.time(tokens, profile.sp_size, RecomputePolicy.FULL, spans)
+        none = self.cost_model.time(tokens, profile.sp_size, RecomputePolicy.NONE, spans)
+        return max(0.0, full - none), full
+
+    def _pyramid(self, microbatch: ScheduledMicroBatch, unchecked: int) -> ScheduledMicroBatch:
+        """The micro-batch with ``unchecked`` of its layers kept (not recomputed): its time is the
+        block-checkpointed time less that share of the recompute (layers are alike in the model)."""
+        if not unchecked:
+            return microbatch
+        layers = self.cost_model.profile.num_layers
+        # Linear in the number of unchecked layers: each block's recompute is its own share.
+        full = microbatch.predicted_time
+        positions = microbatch.positions
+        none = self.cost_model.time(
+            [self._lengths[p] for p in positions], microbatch.sp_size, RecomputePolicy.NONE,
+            [self._spans_now[p] for p in positions],
+        )
+        time = full - (unchecked / layers) * max(0.0, full - none)
+        return replace(microbatch, predicted_time=time)
 
     def schedule(self, lengths: Sequence[int], spans: Sequence[float] | None = None) -> Schedule:
         spans = self._spans(lengths, spans)
+        self._lengths, self._spans_now = list(lengths), spans
         buckets = self.group_by_bucket(lengths, spans)
         profiles = self.profiles_for(buckets, spans)
         remaining = {key: list(positions) for key, positions in buckets.items()}
@@ -536,14 +582,13 @@ class DCPInterScheduler(_RoundScheduler):
                         break
                     batch, remaining[bucket] = remaining[bucket][: profile.batch_size], remaining[bucket][profile.batch_size :]
                     batches.append(batch)
-                policy = self._policy(batches[0], lengths, profile.sp_size)
-                groups.append((profile.sp_size, batches, policy))
-            # Each group's micro-batches may need different policies (shorter tail batches).
+                groups.append((profile.sp_size, batches, None))
             placed = self._place(groups, lengths, spans, round_index)
             if self.pyramid_recompute:
+                # A tail batch is smaller than the profiled one, so the bucket's choice still fits.
+                bucket_of = {p: key for key, members in buckets.items() for p in members}
                 placed = [
-                    self.microbatch(mb.positions, lengths, spans, mb.sp_size, mb.first_rank,
-                                    self._policy(mb.positions, lengths, mb.sp_size), round_index)
+                    self._pyramid(mb, self._unchecked(profiles[bucket_of[mb.positions[0]]]))
                     for mb in placed
                 ]
             microbatches += placed

@@ -35,6 +35,7 @@ def cost_model_to_dict(model: "CostModel") -> dict[str, Any]:
         "scales": dict(model.scales),
         "optimizer_shards": model.optimizer_shards,
         "reserved_bytes": model.reserved_bytes,
+        "collectives_recomputed": model.collectives_recomputed,
     }
 
 
@@ -47,6 +48,7 @@ def cost_model_from_dict(cls: type[Model], data: Mapping[str, Any]) -> Model:
         scales={k: float(v) for k, v in data["scales"].items()},
         optimizer_shards=int(data.get("optimizer_shards", 1)),
         reserved_bytes=float(data.get("reserved_bytes", GiB)),
+        collectives_recomputed=bool(data.get("collectives_recomputed", False)),
     )
 
 
