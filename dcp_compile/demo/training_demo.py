@@ -15,9 +15,10 @@
 4. trains ``steps`` steps with :class:`~dcp_compile.DataCentricSampler`: per micro-batch an SP
    size chosen by the planner, the loss scaled by ``loss_scale``, one ``dcp.sync_gradients`` per
    step. Rank 0 prints each step's plan, then the measured time, loss and tokens/s;
-5. trains the same steps with static SP from the same initial weights: the very same
-   micro-batches, each run by the whole world at ``sp_size = world`` (the one-configuration
-   baseline). The two trainings alternate step by step (each with its own weights and optimizer)
+5. trains the same steps with static SP from the same initial weights: the same samples,
+   repacked in arrival order to static SP's own per-micro-batch budget (``max_tokens_per_rank *
+   world``, not DCP's smaller cuts), each micro-batch run by the whole world at ``sp_size = world``
+   (the one-configuration baseline); both runs print their micro-batch counts and padding. The two trainings alternate step by step (each with its own weights and optimizer)
    so that a slow phase of a shared machine hits both; rank 0 prints them side by side.
 
 Both runs do the same arithmetic on the same tokens, so their losses agree to float rounding; only
@@ -203,6 +204,40 @@ class StepResult:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+def static_microbatches(step_indices: Sequence[int], lengths: Sequence[int], capacity: int,
+                        world_size: int, variant: dcp.Variant) -> list[dcp.MicroBatch]:
+    """Static SP's own micro-batches for a step: its samples in arrival order, packed up to
+    ``capacity`` tokens (static SP's per-micro-batch budget on ``world_size`` ranks), not DCP's
+    micro-batches, which were cut for a smaller group and would make static SP pay their extra
+    launches and all-to-alls. Same samples, same loss weights (supervised tokens over the step's)."""
+    batches: list[list[int]] = []
+    tokens = 0
+    for index in step_indices:
+        if batches and tokens + lengths[index] <= capacity:
+            batches[-1].append(index)
+            tokens += lengths[index]
+        else:
+            batches.append([index])
+            tokens = lengths[index]
+    supervised = sum(lengths[i] - 1 for i in step_indices)
+    ranks = tuple(range(world_size))
+    return [
+        dcp.MicroBatch(indices=tuple(batch), variant=variant, group_ranks=ranks, predicted_time=0.0,
+                       loss_scale=sum(lengths[i] - 1 for i in batch) / supervised if supervised else 0.0,
+                       tokens=sum(lengths[i] for i in batch))
+        for batch in batches
+    ]
+
+
+def padding_fraction(microbatches: Sequence[dcp.MicroBatch]) -> float:
+    """Padding share of the computed tokens: rows are packed (no padding between samples) and
+    sharded into uneven chunks, so the only "padding" is the skew of the longest shard, counted as
+    if every shard were padded to it (``ceil(tokens / sp) * sp - tokens`` per micro-batch)."""
+    real = sum(mb.tokens for mb in microbatches)
+    computed = sum(math.ceil(mb.tokens / mb.sp_size) * mb.sp_size for mb in microbatches)
+    return 1 - real / computed if computed else 0.0
+
+
 def run_step(compiled, model, optimizer, dataset, work: Sequence[tuple[dcp.MicroBatch, dcp.Variant, bool]],
              device: torch.device) -> tuple[float, float, float]:
     """One optimizer step over ``work`` = this rank's (micro-batch, variant, counts its loss) list.
@@ -303,16 +338,19 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE) for name in weights}
     results: dict[str, list[StepResult]] = {"dcp": [], "static": []}
     say("")
+    static_capacity = max_tokens_per_rank * world_size
     say(f"=== training: each step runs twice from its own weights, with the DCP plan (SP size per "
-        f"micro-batch) and with static SP (the same micro-batches, every one on ranks 0-{world_size - 1} "
-        f"at SP {world_size}) ===")
+        f"micro-batch) and with static SP (the same samples repacked in arrival order to its own budget of "
+        f"{static_capacity} tokens per micro-batch, every one on ranks 0-{world_size - 1} at SP {world_size}) ===")
     for step in itertools.islice(sampler, steps):
         say("")
         say(str(step))
         every = [mb for group in step.groups for mb in group.microbatches]  # the same order on every rank
+        static = static_microbatches(
+            [i for mb in every for i in mb.indices], lengths, static_capacity, world_size, static_variant)
         runs = {
             "dcp": [(mb, mb.variant, mb.group_ranks[0] == rank) for mb in step.microbatches],
-            "static": [(mb, static_variant, rank == 0) for mb in every],
+            "static": [(mb, static_variant, rank == 0) for mb in static],
         }
         lines = {}
         for name in (("dcp", "static") if step.step % 2 == 0 else ("static", "dcp")):
@@ -327,11 +365,12 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
                 for mb in every:
                     sp_counts[mb.sp_size] = sp_counts.get(mb.sp_size, 0) + 1
             else:
-                predicted = sum(cost_model.time([lengths[i] for i in mb.indices], world_size) for mb in every)
+                predicted = sum(cost_model.time([lengths[i] for i in mb.indices], world_size) for mb in static)
                 predicted_ranks = [predicted] * world_size
-                sp_counts = {world_size: len(every)}
+                sp_counts = {world_size: len(static)}
             result = StepResult(seconds=seconds, busy=busy_all, loss=loss, tokens=step.tokens,
-                                predicted=predicted, microbatches=len(every), sp_sizes=sp_counts)
+                                predicted=predicted, microbatches=len(every) if name == "dcp" else len(static),
+                                sp_sizes=sp_counts)
             results[name].append(result)
             label = "DCP:   " if name == "dcp" else "static:"
             lines[name] = (
@@ -340,8 +379,9 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
                 + ", ".join(f"{p:.3f}" for p in predicted_ranks) + f") | loss {loss:.4f} | "
                 f"{result.tokens_per_s:,.0f} tokens/s"
             )
-        say(lines["dcp"])
-        say(lines["static"] + f"  [{len(every)} micro-batches at SP {world_size}]")
+        say(lines["dcp"] + f"  [{len(every)} micro-batches, padding {100 * padding_fraction(every):.0f}%]")
+        say(lines["static"] + f"  [{len(static)} micro-batches at SP {world_size}, "
+            f"padding {100 * padding_fraction(static):.0f}%]")
     dcp_results, static_results = results["dcp"], results["static"]
 
     summary = summarize(dcp_results, static_results, world_size)
@@ -374,7 +414,7 @@ def warm_up(compiled, model: torch.nn.Module, variants: Sequence[dcp.Variant], d
 def summarize(dcp_results: Sequence[StepResult], static_results: Sequence[StepResult], world_size: int) -> dict:
     header = (f"{'step':>4}  {'tokens':>6}  {'DCP s':>7}  {'static s':>8}  {'DCP tok/s':>9}  "
               f"{'static tok/s':>12}  {'DCP/static':>10}  {'predicted':>9}  {'DCP loss':>8}  {'static loss':>11}")
-    lines = ["=== DCP vs static SP: same steps, same micro-batches, same initial weights ===", header]
+    lines = ["=== DCP vs static SP: same steps (static SP repacked to its own budget), same initial weights ===", header]
     for index, (a, b) in enumerate(zip(dcp_results, static_results)):
         ratio = b.seconds / a.seconds if a.seconds > 0 else math.nan
         predicted = b.predicted / a.predicted if a.predicted > 0 else math.nan
