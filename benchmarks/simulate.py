@@ -23,6 +23,7 @@ import csv
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -35,6 +36,7 @@ from dcp_compile.schedule.hardware import Hardware  # noqa: E402
 from dcp_compile.schedule.published_schedulers import (  # noqa: E402
     BucketParallelScheduler,
     DCPInterScheduler,
+    StaticSPScheduler,
     make_baselines,
 )
 from dcp_compile.schedule.sampler import DataCentricSampler  # noqa: E402
@@ -45,21 +47,38 @@ STEP_TOKENS = {  # tokens per optimizer step to sweep, per model
     "llama-3-8b": (1_000_000, 4_000_000, 16_000_000),
 }
 DEFAULT_STEP_TOKENS = {"stdit3-xl/2": 8_000_000, "llama-3-8b": 4_000_000}
-SCHEDULERS = ("static-sp", "bucket-parallel", "dcp-intra", "dcp-inter", "dcp")
+HARDWARE = {"H100": Hardware.H100, "H200": Hardware.H200}
+PUBLISHED = ("static-sp4", "static-sp8", "bucket-parallel", "dcp-intra", "dcp-inter")
+SCHEDULERS = PUBLISHED + ("dcp",)
+ACCOUNTINGS = ("iso", "synced")  # see the module docstring
 
 
-def simulate(workload: Workload, tokens_per_step: int, max_steps: int) -> dict:
-    cost_model = cost_model_for(workload, WORLD_SIZE)
+def baselines_for(cost_model: CostModel, workload: Workload) -> list:
+    """Static SP at the published 4 and at 8, bucket parallel (SP 4 for video, as published),
+    DCP-intra, DCP-inter (max 5 / min 15 accumulation, pyramid recompute)."""
+    longest = max(workload.lengths)
+    video = workload.model.startswith("stdit")
+    statics = []
+    for sp in (4, 8):
+        static = StaticSPScheduler(cost_model, WORLD_SIZE, longest, sp_size=sp)
+        static.name = f"static-sp{sp}"
+        statics.append(static)
+    others = [s for s in make_baselines(cost_model, WORLD_SIZE, longest, bucket_sp_size=4 if video else None)
+              if s.name != "static-sp"]
+    return statics + others
+
+
+def simulate(workload: Workload, hardware: str, tokens_per_step: int, max_steps: int) -> dict:
+    cost_model = replace(cost_model_for(workload, WORLD_SIZE), hardware=HARDWARE[hardware])
     sampler = DataCentricSampler(
         workload.lengths, tokens_per_step, cost_model=cost_model, seed=0,
         world_size=WORLD_SIZE, rank=0, spans=workload.spans,
     )
-    video = workload.model.startswith("stdit")
-    baselines = make_baselines(cost_model, WORLD_SIZE, max(workload.lengths), bucket_sp_size=4 if video else None)
+    baselines = baselines_for(cost_model, workload)
     sync = cost_model.hardware.all_reduce_seconds(cost_model.profile.parameter_bytes, WORLD_SIZE)
-    makespan = {name: 0.0 for name in SCHEDULERS}
-    synchronised = {name: 0.0 for name in SCHEDULERS}
-    bound = 0.0
+    seconds = {(name, a): 0.0 for name in SCHEDULERS for a in ACCOUNTINGS}
+    busy = {name: 0.0 for name in SCHEDULERS}
+    bound = dcp_makespan = 0.0
     samples = tokens = 0
     planning = []
     steps = sampler.steps(0)[:max_steps]
@@ -69,41 +88,38 @@ def simulate(workload: Workload, tokens_per_step: int, max_steps: int) -> dict:
         start = time.perf_counter()
         plan = sampler.plan(step_index)
         planning.append(time.perf_counter() - start)
-        makespan["dcp"] += plan.predicted_makespan
-        synchronised["dcp"] += plan.predicted_makespan
+        for accounting in ACCOUNTINGS:  # DCP: one sync per step in both accountings
+            seconds[("dcp", accounting)] += plan.predicted_makespan + sync
+        busy["dcp"] += sum(plan.predicted_rank_times())
         bound += plan.lower_bound
+        dcp_makespan += plan.predicted_makespan
         for baseline in baselines:
             schedule = baseline.schedule(lengths, spans)
             schedule.validate(len(lengths))
-            makespan[baseline.name] += schedule.makespan
-            synchronised[baseline.name] += schedule.synchronised_makespan
+            rounds = len({mb.round for mb in schedule.microbatches})
+            seconds[(baseline.name, "iso")] += schedule.makespan + sync
+            seconds[(baseline.name, "synced")] += schedule.synchronised_makespan + rounds * sync
+            busy[baseline.name] += sum(mb.predicted_time * mb.sp_size for mb in schedule.microbatches)
         samples += len(indices)
         tokens += sum(lengths)
-    total_sync = sync * len(steps)
     result = {
-        "model": workload.model,
-        "distribution": workload.name,
-        "tokens_per_step": tokens_per_step,
-        "steps": len(steps),
-        "samples_per_step": round(samples / len(steps), 1),
-        "sync_s_per_step": round(sync, 4),
+        "model": workload.model, "distribution": workload.name, "hardware": hardware,
+        "tokens_per_step": tokens_per_step, "steps": len(steps),
+        "samples_per_step": round(samples / len(steps), 1), "sync_s_per_step": round(sync, 4),
         "plan_ms_median": round(1000 * statistics.median(planning), 1),
-        "dcp_percent_of_bound": round(100 * bound / makespan["dcp"], 1),
     }
     for name in SCHEDULERS:
-        seconds = makespan[name] + total_sync
-        result[f"{name}_samples_per_s"] = round(samples / seconds, 3)
-        result[f"{name}_tokens_per_s"] = round(tokens / seconds)
-        result[f"{name}_speedup_vs_static"] = round((makespan["static-sp"] + total_sync) / seconds, 2)
-        result[f"{name}_synchronised_speedup_vs_static"] = round(
-            (synchronised["static-sp"] + total_sync) / (synchronised[name] + total_sync), 2
-        )
-        result[f"{name}_percent_of_bound"] = round(100 * bound / makespan[name], 1)
-    best_baseline = max(SCHEDULERS[:-1], key=lambda name: result[f"{name}_samples_per_s"])
-    result["best_baseline"] = best_baseline
-    result["dcp_speedup_vs_best_baseline"] = round(
-        result["dcp_samples_per_s"] / result[f"{best_baseline}_samples_per_s"], 2
-    )
+        for accounting in ACCOUNTINGS:
+            result[f"{name}_{accounting}_m_tokens_per_s"] = round(tokens / seconds[(name, accounting)] / 1e6, 3)
+        if busy[name]:
+            result[f"{name}_utilisation_{'iso' if name == 'dcp' else 'synced'}"] = round(
+                busy[name] / (WORLD_SIZE * seconds[(name, "iso" if name == "dcp" else "synced")]), 3)
+    for accounting in ACCOUNTINGS:
+        best = max(PUBLISHED, key=lambda name: result[f"{name}_{accounting}_m_tokens_per_s"])
+        result[f"best_published_{accounting}"] = best
+        result[f"dcp_vs_best_published_{accounting}"] = round(
+            result[f"dcp_{accounting}_m_tokens_per_s"] / result[f"{best}_{accounting}_m_tokens_per_s"], 3)
+    result["dcp_percent_of_bound"] = round(100 * bound / dcp_makespan, 1)
     return result
 
 
@@ -144,87 +160,126 @@ def published_setting(distribution: str, num_videos: int = 20000) -> dict[str, d
     return out
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], calibration: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     default = [r for r in rows if r["tokens_per_step"] == DEFAULT_STEP_TOKENS[r["model"]]]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(15, 5.2))
-    width = 0.16
-    labels = [r["distribution"] for r in default]
-    for offset, name in enumerate(SCHEDULERS):
-        values = [r[f"{name}_speedup_vs_static"] for r in default]
-        positions = [i + (offset - 2) * width for i in range(len(default))]
-        bars = left.bar(positions, values, width, label=name)
-        if name == "dcp":
-            for x, v in zip(positions, values):
-                left.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
-    left.axhline(1.0, color="gray", linewidth=0.8)
-    left.set_xticks(range(len(default)), labels, rotation=20, ha="right", fontsize=8)
-    left.set_ylabel("throughput speedup over static SP (iso-batch)")
-    left.set_title(f"32 x H200, default step size (video {DEFAULT_STEP_TOKENS['stdit3-xl/2'] / 1e6:g}M, "
-                   f"text {DEFAULT_STEP_TOKENS['llama-3-8b'] / 1e6:g}M tokens)", fontsize=9)
-    left.legend(fontsize=8)
-
-    for distribution in dict.fromkeys(r["distribution"] for r in rows):
-        series = sorted((r for r in rows if r["distribution"] == distribution), key=lambda r: r["tokens_per_step"])
-        xs = [r["tokens_per_step"] / 1e6 for r in series]
-        right.plot(xs, [r["dcp_speedup_vs_best_baseline"] for r in series], marker="o", label=distribution)
-    right.set_xscale("log")
-    right.axhline(1.0, color="gray", linewidth=0.8)
-    right.set_xlabel("tokens per optimizer step (millions)")
-    right.set_ylabel("DCP speedup over the best published scheduler")
-    right.set_title("sensitivity to the step size", fontsize=9)
-    right.legend(fontsize=8)
+    figure, axes = plt.subplots(1, 3, figsize=(19, 5.2))
+    width = 0.13
+    for axis, hardware in zip(axes[:2], HARDWARE):
+        series = [r for r in default if r["hardware"] == hardware]
+        for offset, name in enumerate(SCHEDULERS):
+            values = [r[f"{name}_iso_m_tokens_per_s"] for r in series]
+            axis.bar([i + (offset - 2.5) * width for i in range(len(series))], values, width, label=name)
+        axis.set_xticks(range(len(series)), [r["distribution"] for r in series], rotation=20, ha="right", fontsize=8)
+        axis.set_ylabel("M tokens/s (iso-batch, one sync per step)")
+        axis.set_title(f"32 x {hardware}, iso-batch, default step size (simulated)", fontsize=9)
+        axis.legend(fontsize=7)
+    axis = axes[2]
+    names = list(calibration)
+    for offset, (scheduler, colour) in enumerate((("bucket-parallel", "tab:orange"), ("dcp-inter", "tab:red"))):
+        positions = [i + (offset - 0.5) * 0.35 for i in range(len(names))]
+        axis.bar(positions, [calibration[n][scheduler]["m_tokens_per_s"] for n in names], 0.17, color=colour,
+                 label=f"{scheduler} (simulated)")
+        axis.scatter(positions, [PUBLISHED_M_TOKENS_PER_S[n][scheduler] for n in names], color="black", marker="_",
+                     s=400, zorder=3, label="published" if offset == 0 else None)
+    axis.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+    axis.set_ylabel("M tokens/s (own batch, sync every round)")
+    axis.set_title("calibration: published setting, 32 x H100", fontsize=9)
+    axis.legend(fontsize=7)
     figure.tight_layout()
-    figure.savefig(path, dpi=130)
+    figure.savefig(path, dpi=120)
     plt.close(figure)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-steps", type=int, default=12, help="steps simulated per configuration")
+    parser.add_argument("--max-steps", type=int, default=6, help="steps simulated per configuration")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     args.output.mkdir(parents=True, exist_ok=True)
 
-    configurations = [(w, t) for w in workloads() for t in STEP_TOKENS[w.model]]
-    rows = [simulate(w, t, args.max_steps) for w, t in tqdm(configurations, desc="simulating")]
+    calibration = {d: published_setting(d) for d in PUBLISHED_M_TOKENS_PER_S}
+    # Llama-3-8B with ZeRO-1 keeps 52 GB of model state (bf16 weights, fp32 gradients): under the
+    # published 70% cap of an 80 GB H100 a 131k-token document fits on no SP size, so text runs on H200 only.
+    configurations = [(w, h, t) for w in workloads() for h in HARDWARE for t in STEP_TOKENS[w.model]
+                      if h == "H200" or w.model.startswith("stdit")]
+    rows = [simulate(w, h, t, args.max_steps) for w, h, t in tqdm(configurations, desc="simulating")]
 
     with open(args.output / "simulate.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(handle, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
         writer.writerows(rows)
-    plot(rows, args.output / "simulate.png")
+    plot(rows, calibration, args.output / "simulate.png")
 
-    header = ["model", "distribution", "tokens/step", "samples/step"] + [f"{n} vs static" for n in SCHEDULERS] + [
-        "DCP % of bound", "DCP vs best baseline"
-    ]
-    table = markdown_table(header, [
-        [r["model"], r["distribution"], f"{r['tokens_per_step'] / 1e6:g}M", f"{r['samples_per_step']:g}"]
-        + [f"{r[f'{n}_speedup_vs_static']:.2f}x" for n in SCHEDULERS]
-        + [f"{r['dcp_percent_of_bound']:.1f}%", f"{r['dcp_speedup_vs_best_baseline']:.2f}x ({r['best_baseline']})"]
-        for r in rows
-    ])
+    calibration_table = markdown_table(
+        ["distribution", "bucket parallel: simulated", "published", "DCP-inter: simulated", "published",
+         "utilisation (BP / inter)"],
+        [[d, f"{c['bucket-parallel']['m_tokens_per_s']:.2f}", f"{PUBLISHED_M_TOKENS_PER_S[d]['bucket-parallel']:.2f}",
+          f"{c['dcp-inter']['m_tokens_per_s']:.2f}", f"{PUBLISHED_M_TOKENS_PER_S[d]['dcp-inter']:.2f}",
+          f"{c['bucket-parallel']['utilisation']:.2f} / {c['dcp-inter']['utilisation']:.2f}"]
+         for d, c in calibration.items()],
+    )
+    tables = []
+    for accounting, title in (("iso", "Iso-batch: same samples per step, one gradient sync per step for every scheduler"),
+                              ("synced", "Each published scheduler with its per-round sync (rounds = its accumulation "
+                                         "micro-steps; DCP still one sync per step)")):
+        header = ["model", "distribution", "GPU", "tokens/step"] + [f"{n}" for n in SCHEDULERS] + [
+            "DCP vs best published", "DCP % of bound"]
+        body = [
+            [r["model"], r["distribution"], r["hardware"], f"{r['tokens_per_step'] / 1e6:g}M"]
+            + [f"{r[f'{n}_{accounting}_m_tokens_per_s']:.2f}" for n in SCHEDULERS]
+            + [f"{r[f'dcp_vs_best_published_{accounting}']:.2f}x ({r[f'best_published_{accounting}']})",
+               f"{r['dcp_percent_of_bound']:.1f}%"]
+            for r in rows
+        ]
+        tables.append(f"### {title} (M tokens/s, simulated)\n\n" + markdown_table(header, body))
+    utilisation = markdown_table(
+        ["model", "distribution", "GPU", "tokens/step"] + list(SCHEDULERS),
+        [[r["model"], r["distribution"], r["hardware"], f"{r['tokens_per_step'] / 1e6:g}M"]
+         + [f"{r.get(f'{n}_utilisation_synced', r.get(f'{n}_utilisation_iso', 0)):.2f}" for n in SCHEDULERS]
+         for r in rows if r["tokens_per_step"] == DEFAULT_STEP_TOKENS[r["model"]]],
+    )
     default = [r for r in rows if r["tokens_per_step"] == DEFAULT_STEP_TOKENS[r["model"]]]
-    geometric = statistics.geometric_mean([r["dcp_speedup_vs_static"] for r in default])
-    best = statistics.geometric_mean([r["dcp_speedup_vs_best_baseline"] for r in default])
+    summary_lines = []
+    for hardware in HARDWARE:
+        series = [r for r in default if r["hardware"] == hardware]
+        ratios = [r["dcp_vs_best_published_iso"] for r in series]
+        bounds = [r["dcp_percent_of_bound"] for r in series]
+        summary_lines.append(
+            f"- 32 x {hardware}, iso-batch, default step sizes: DCP / best published = "
+            + ", ".join(f"{r['distribution']} {r['dcp_vs_best_published_iso']:.2f}x" for r in series)
+            + f" (geometric mean {statistics.geometric_mean(ratios):.2f}x; >= 1.3x in {sum(x >= 1.3 for x in ratios)} "
+            f"of {len(ratios)}); DCP reaches {min(bounds):.1f}-{max(bounds):.1f}% of the planner's lower bound.")
     report = (
-        "# Cluster simulation: 32 x H200\n\n"
-        f"4 nodes x 8 H200 (NVLink inside a node, 400 Gb/s InfiniBand across), bf16, ZeRO-1; iso-batch: every "
-        f"scheduler trains the same samples per optimizer step (the sampler's steps), up to {args.max_steps} steps per "
-        "configuration. Step time = makespan from the analytic cost model + one gradient all-reduce (the same for "
-        "all). Speedups are samples/s over static SP (SP for the longest sample, every block checkpointed, samples "
-        "packed in arrival order into a fixed per-micro-batch token budget). Baselines get the flattering accounting described in `dcp_compile/baseline_schedulers.py` (their "
-        "rounds are not synchronised; `*_synchronised_speedup_vs_static` in the CSV has the published per-round "
-        "sync).\n\n"
-        f"At the default step sizes DCP is {geometric:.2f}x static SP (geometric mean over the six distributions) "
-        f"and {best:.2f}x the best published scheduler of each row. The published system reports up to 2.88x "
-        "over static configurations on 32 H200s, measured against a baseline with 15x fewer samples per optimizer "
-        "step; these numbers are iso-batch and simulated (no measured kernels, no overlap of communication), so "
-        "they bound what the plan can give rather than report a run.\n\n" + table + "\n\n![speedups](simulate.png)\n"
+        "# Cluster simulation: 32 x H100 and 32 x H200 (simulated, analytic cost model)\n\n"
+        "4 nodes x 8 GPUs (NVLink inside a node, one 400 Gb/s InfiniBand NIC per GPU across), bf16, ZeRO-1. "
+        "The published schedulers plan with whole-block checkpointing (a block keeps only its input; backward "
+        "re-sends its all-to-alls); DCP plans with what our compiler builds. DCP-inter uses the published "
+        "accumulation bounds (max 5 / min 15) and pyramid recompute (per-bucket 0/1 knapsack over spare memory). "
+        "Utilisation: busy GPU-seconds over 32 x wall time (published schedulers: with their per-round sync).\n\n"
+        "## Calibration against the published figures (32 x H100, each scheduler at its own batch, sync every round)\n\n"
+        + calibration_table + "\n\n"
+        "The simulator does **not** reproduce the published DCP-inter figures, the bucket-parallel long-dominated "
+        "figure, or the published ranking (`tests/test_simulator_calibration.py`, strict xfails). The reason: the "
+        "analytic model prices a token nearly alike at every length and SP size, so the published gaps (which "
+        "need per-micro-batch inefficiencies: launch-bound small images at SP 4, realised all-to-all bandwidth, "
+        "possibly a different token count) cannot appear. The comparisons below inherit that limit: they compare "
+        "plans on one model, not measured systems.\n\n"
+        "## Summary\n\n" + "\n".join(summary_lines) + "\n\n"
+        "Where DCP's margin comes from, read with the calibration's limit in mind: (1) recomputation: the "
+        "published schedulers checkpoint every block (as published; DCP-inter's pyramid frees only the few layers "
+        "its profiled batch leaves room for), while DCP runs each micro-batch with the cheapest policy that fits, "
+        "which saves up to a third of the compute; (2) utilisation: DCP packs mixed lengths and balances ranks "
+        "(98% busy) where the round-based schedulers idle 40-80% at these step sizes. DCP-inter with the published "
+        "min 15 accumulation is the weakest iso-batch: a step of 2-32M tokens cannot feed 15+ micro-batches per "
+        "group, so most groups idle (it is built for its own, much larger batches: see the calibration table). "
+        "Static SP here is the stronger packed variant (samples packed in arrival order up to its budget).\n\n"
+        + "\n\n".join(tables) + "\n\n### GPU utilisation (default step sizes)\n\n" + utilisation
+        + "\n\n![throughput](simulate.png)\n"
     )
     (args.output / "simulate.md").write_text(report)
     print(report)
