@@ -17,9 +17,12 @@ and ``videosys/core/dcp/profiler.py``, late 2024; see ``/work/shared/reference/p
   toward the longest group. One micro-batch per group per round.
 * :class:`DCPInterScheduler`: the published gradient-accumulation schedule: groups keep their
   profiled (SP, batch); accumulation counts come from the 1.2-overshoot / 1.0-undershoot penalty
-  search; with ``pyramid_recompute`` each micro-batch runs the fastest recompute policy that fits
-  the profile's memory cap (the coarse analog of the per-layer knapsack: our policies are per
-  micro-batch, not per layer).
+  search with the published ``dcp_inter_ckpt`` bounds (max 5, min 15); with ``pyramid_recompute``
+  each bucket leaves some layers unchecked, chosen as published by a 0/1 knapsack over the memory
+  its profiled batch leaves under the cap, in 1 GB steps (:meth:`DCPInterScheduler.uncheckpointed_layers`).
+
+Every baseline plans with whole-block checkpointing as published (``CostModel.collectives_recomputed``:
+a checkpointed block keeps only its input at any SP size and re-sends its all-to-alls in backward).
 
 Adaptations, all in the baselines' favour or neutral:
 
