@@ -25,12 +25,12 @@ def fake_world():
 
 # --- the CI time budget for slow cases ---------------------------------------------------------
 # The suite must stay inside CI's time (README: "tests"). Cases marked slow run last, and only
-# while the session is inside DCP_TEST_BUDGET_S seconds (default 25 minutes); any left then are
+# while the session is inside DCP_TEST_BUDGET_S seconds (default 20 minutes, so the whole run ends inside 25); any left then are
 # reported as skipped with that reason, never as passed. `pytest -m slow` runs them all.
 import time
 
 _SESSION_START = time.monotonic()
-SLOW_BUDGET_S = float(os.environ.get("DCP_TEST_BUDGET_S", 25 * 60))
+SLOW_BUDGET_S = float(os.environ.get("DCP_TEST_BUDGET_S", 20 * 60))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -37,6 +37,22 @@ class TinyLM(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+class RotaryWholeHead(TinyLM):
+    """Rotary split ``cat((rotate(x[..., :rot]), x[..., rot:]), -1)`` with ``rot`` the whole head
+    (ERNIE-Image): the pass-through part is empty along the cat dimension yet indexed by the
+    sequence, so it must be chunked with the rotated part."""
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        batch, length = ids.shape
+        x = self.embed(ids)
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        rot = q.shape[-1]
+        q = torch.cat((q[..., :rot] * 2.0, q[..., rot:]), dim=-1)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, length, -1)
+        logits = self.head(x)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
 def sharded(model: nn.Module):
     torch.manual_seed(0)
     inputs = (torch.randint(0, 32, (2, LENGTH)), torch.randint(0, 32, (2, LENGTH)))
@@ -58,7 +74,8 @@ def records():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     torch._dynamo.reset()
     try:
-        return {"plain": sharded(TinyLM(cumsum=False)), "cumsum": sharded(TinyLM(cumsum=True))}
+        return {"plain": sharded(TinyLM(cumsum=False)), "cumsum": sharded(TinyLM(cumsum=True)),
+                "rotary_whole_head": sharded(RotaryWholeHead(cumsum=False))}
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
@@ -118,3 +135,15 @@ def test_the_ops_after_a_gathered_cumsum_run_on_the_chunk(records):
                 frontier.append(user)
     heads = [n for n in downstream if n.target is aten.linear.default]
     assert heads and all(head.meta["val"].shape[1].node.hint == LENGTH // 2 for head in heads)
+
+
+def test_an_empty_rotary_pass_through_is_chunked_with_the_rest(records):
+    record = records["rotary_whole_head"]
+    assert record.fallback_reason is None
+    assert record.is_sharded, record.summary()
+    assert record.gathers == []
+    empty_cats = [c for c in calls(record.graph, aten.cat.default)
+                  if any(0 in t.meta["val"].shape for t in c.args[0] if isinstance(t, fx.Node))]
+    assert empty_cats
+    for cat in empty_cats:  # every operand runs on the chunk: LENGTH // 2 positions at dim 2
+        assert {t.meta["val"].shape[2].node.hint for t in cat.args[0]} == {LENGTH // 2}

@@ -470,8 +470,12 @@ def _cat_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     dim = _normalize(raw_dim, out_rank)
     if node.target is aten.cat.default:
         # An empty operand (a KV cache before its first update: [B, H, 0, D], or the legacy 1-D
-        # ``tensor([])``) adds nothing: the cat is the identity on what remains.
-        tensors = [t for t in tensors if not _is_empty(t, dim)]
+        # ``tensor([])``) adds nothing: the cat is the identity on what remains. An operand empty
+        # along the cat dimension but indexed by the sequence elsewhere (a rotary split's
+        # ``x[..., rot_dim:]`` when the rotation covers the whole head) stays: it is chunked
+        # along with the others, or the cat would mix a chunk with a full-length operand.
+        tensors = [t for t in tensors
+                   if not _is_empty(t, dim) or any(seq.dim != dim for seq in analysis.dims_of(t))]
         if len(tensors) == 1 and analysis.dims_of(tensors[0]):
             return RuleResult(TOKEN_LOCAL, analysis.dims_of(tensors[0]), (tensors[0],),
                               reason="concatenation with an empty tensor")
