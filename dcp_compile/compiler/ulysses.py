@@ -115,8 +115,29 @@ def heads_of_rank(mask: torch.Tensor | None, layout: HeadLayout, rank: int, head
     return mask.index_select(head_dim, index)
 
 
+def gather_heads(heads: torch.Tensor, num_heads: int, sp_size: int, group: str) -> torch.Tensor:
+    """``[B, Hp, S, D]`` of this rank's heads → ``[B, H, S, D]``: every head, on every rank (the
+    replicated text segment of a joint attention's output). The adjoint is the reduce-scatter."""
+    gathered = collectives.gather_sequence(heads, 1, sp_size * heads.shape[1], sp_size, group)
+    return gathered if gathered.shape[1] == num_heads else gathered[:, :num_heads]
+
+
+def _segments(tensor: torch.Tensor, before: Any, after: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    local = tensor.shape[2] - before - after
+    return tensor.narrow(2, 0, before), tensor.narrow(2, before, local), tensor.narrow(2, before + local, after)
+
+
+def _present(segment: Any) -> bool:
+    """A replicated segment that may hold tokens (a static 0 needs no select and no gather)."""
+    return not (isinstance(segment, int) and segment == 0)
+
+
 def ulysses_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, full_length,
-                      key_is_chunk, value_is_chunk, *, sp_size: int, rank: int, group: str) -> torch.Tensor:
+                      key_is_chunk, value_is_chunk, joint=False, before=0, after=0, *, sp_size: int, rank: int,
+                      group: str) -> torch.Tensor:
+    """Ulysses around one attention. A joint sequence (``[text | image chunk | text]`` on every
+    rank) sends only the image chunk through the all-to-all; the replicated text segments are
+    cut to the rank's heads locally and, after attention, gathered back to every head."""
     three_dim = query.dim() == 3
     if three_dim:  # [N, S, D] hand-written attention: treat N as the head dimension
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -128,19 +149,41 @@ def ulysses_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
     local = query.shape[2]
     query_layout, kv_layout, gqa = plan_heads(query.shape[1], key.shape[1], sp_size, enable_gqa)
 
+    def joint_to_heads(tensor: torch.Tensor, layout: HeadLayout) -> torch.Tensor:
+        leading, chunk, trailing = _segments(tensor, before, after)
+        heads = layout.of_rank(rank)
+        parts = [select_heads(leading, heads, False)] if _present(before) else []
+        parts.append(sequence_to_heads(chunk, layout, lengths, group))
+        if _present(after):
+            parts.append(select_heads(trailing, heads, False))
+        return torch.cat(parts, 2)
+
     def to_heads(tensor: torch.Tensor, is_chunk: bool) -> torch.Tensor:
         if is_chunk:
-            return sequence_to_heads(tensor, kv_layout, lengths, group)
+            return joint_to_heads(tensor, kv_layout) if joint else sequence_to_heads(tensor, kv_layout, lengths, group)
         return select_heads(tensor, kv_layout.of_rank(rank), False)
 
-    query_heads = sequence_to_heads(query, query_layout, lengths, group)
+    if joint:
+        local = query.shape[2] - before - after
+        query_heads = joint_to_heads(query, query_layout)
+    else:
+        query_heads = sequence_to_heads(query, query_layout, lengths, group)
     key_heads, value_heads = to_heads(key, key_is_chunk), to_heads(value, value_is_chunk)
     mask = heads_of_rank(attn_mask, query_layout, rank, attn_mask.dim() - 3) if attn_mask is not None else None
     out = F.scaled_dot_product_attention(
         query_heads, key_heads, value_heads, attn_mask=mask, dropout_p=dropout_p,
         is_causal=is_causal, scale=scale, enable_gqa=gqa,
     )
-    out = heads_to_sequence(out, query.shape[1], local, lengths, group)
+    if joint:
+        leading, chunk, trailing = out.narrow(2, 0, before), out.narrow(2, before, full_length), \
+            out.narrow(2, before + full_length, after)
+        parts = [gather_heads(leading, query.shape[1], sp_size, group)] if _present(before) else []
+        parts.append(heads_to_sequence(chunk, query.shape[1], local, lengths, group))
+        if _present(after):
+            parts.append(gather_heads(trailing, query.shape[1], sp_size, group))
+        out = torch.cat(parts, 2)
+    else:
+        out = heads_to_sequence(out, query.shape[1], local, lengths, group)
     return out.squeeze(0) if three_dim else out
 
 

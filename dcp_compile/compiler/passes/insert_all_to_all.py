@@ -27,7 +27,7 @@ _MARKER_PARAMETERS = list(inspect.signature(sharded_attention_op.sharded_attenti
 
 
 def _marker_arguments(node: fx.Node) -> list[Any]:
-    """The marker's eleven arguments in schema order, whether given by position or keyword."""
+    """The marker's arguments in schema order, whether given by position or keyword."""
     values = list(node.args) + [None] * (len(_MARKER_PARAMETERS) - len(node.args))
     for name, value in node.kwargs.items():
         values[_MARKER_PARAMETERS.index(name)] = value

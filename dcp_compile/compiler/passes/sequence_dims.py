@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 import networkx as nx
@@ -47,22 +47,40 @@ SOURCE, TOKEN_LOCAL, ATTENTION, MIXING, NONE = "source", "token_local", "attenti
 
 @dataclass(frozen=True)
 class SequenceDim:
-    """Dimension ``dim`` has size ``outer * L * inner`` (row-major), L the sequence length."""
+    """Dimension ``dim`` has size ``outer * L * inner`` (row-major), L the sequence length.
+
+    A *joint* dimension (joint attention: text tokens concatenated with image tokens) has size
+    ``before + L + after``: only the L tokens of the long modality are sharded, the short
+    segments around them are replicated, so a rank holds ``[before | its chunk of L | after]``.
+    """
 
     dim: int
     outer: Any = sympy.Integer(1)
     inner: Any = sympy.Integer(1)
+    before: Any = sympy.Integer(0)
+    after: Any = sympy.Integer(0)
 
     @property
     def plain(self) -> bool:
+        return self.outer == 1 and self.inner == 1 and self.before == 0 and self.after == 0
+
+    @property
+    def joint(self) -> bool:
+        return self.outer == 1 and self.inner == 1 and not (self.before == 0 and self.after == 0)
+
+    @property
+    def unflattened(self) -> bool:
+        """Not folded with another dimension (plain or joint)."""
         return self.outer == 1 and self.inner == 1
 
     def moved(self, dim: int) -> "SequenceDim":
-        return SequenceDim(dim, self.outer, self.inner)
+        return replace(self, dim=dim)
 
     def __str__(self) -> str:
         if self.plain:
             return f"dim {self.dim}"
+        if self.joint:
+            return f"dim {self.dim} = {self.before} + L + {self.after} (replicated around the chunk)"
         return f"dim {self.dim} = {self.outer}*L*{self.inner}"
 
 
@@ -266,14 +284,18 @@ def _attention_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     seq = _single(analysis.dims_of(query))
     if seq is not None and seq.dim < rank - 2:
         return _rank_local_attention(node, analysis, seq)
-    if seq is None or seq.dim != rank - 2 or not seq.plain:
+    if seq is None or seq.dim != rank - 2 or not seq.unflattened:
         return _mixing("attention whose queries are not sequence-indexed on dim -2", node, analysis)
     aligned = [query]
     for other in (key, value):
         other_seq = _single(analysis.dims_of(other))
-        if other_seq is not None and other_seq.dim == rank - 2 and other_seq.plain:
+        if other_seq is not None and other_seq.dim == rank - 2 and other_seq.unflattened:
+            if other_seq != seq:
+                return _mixing("joint attention whose queries and keys/values are segmented differently", node, analysis)
             aligned.append(other)
-    return RuleResult(ATTENTION, (SequenceDim(rank - 2),), tuple(aligned))
+        elif seq.joint:
+            return _mixing("joint attention over keys/values that are not the same joint sequence", node, analysis)
+    return RuleResult(ATTENTION, (seq,), tuple(aligned))
 
 
 def _rank_local_attention(node: fx.Node, analysis: SequenceAnalysis, seq: SequenceDim) -> RuleResult:
@@ -324,7 +346,7 @@ def _pointwise(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
         for seq in analysis.dims_of(source):
             out_dim = seq.dim + out_rank - source_rank
             existing = mapped.get(out_dim)
-            if existing is not None and (existing.outer != seq.outer or existing.inner != seq.inner):
+            if existing is not None and existing != seq.moved(out_dim):
                 return _mixing("combines sequence dimensions of different layouts", node, analysis)
             mapped[out_dim] = seq.moved(out_dim)
         aligned.append(source)
@@ -360,7 +382,7 @@ def _broadcast_partners(node: fx.Node, analysis: SequenceAnalysis, seq: Sequence
         role = analysis.roles.get(source)
         if role is not None and role.role not in (NONE, SOURCE):
             continue
-        analysis.roles[source] = NodeRole(SOURCE, (SequenceDim(position, seq.outer, seq.inner),),
+        analysis.roles[source] = NodeRole(SOURCE, (seq.moved(position),),
                                           reason="spans the sequence by broadcasting")
         partners.append(source)
     return partners
@@ -371,10 +393,25 @@ def _view(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     seq = _single(analysis.dims_of(source))
     if seq is None:
         return _mixing("a reshape of a value with several sequence dimensions", node, analysis)
+    if seq.joint:
+        return _joint_view(node, analysis, source, seq)
     mapped = map_through_view(shape_of(_val(source)), shape_of(_val(node)), seq, analysis.length)
     if isinstance(mapped, str):
         return _mixing(mapped, node, analysis)
     return RuleResult(TOKEN_LOCAL, (mapped,), (source,))
+
+
+def _joint_view(node: fx.Node, analysis: SequenceAnalysis, source: fx.Node, seq: SequenceDim) -> RuleResult:
+    """A reshape keeps a joint dimension only when it leaves that dimension whole and in place
+    relative to the rows before it (heads split or merged after it, size-1 dims added)."""
+    in_shape, out_shape = shape_of(_val(source)), shape_of(_val(node))
+    rows_before = _product(in_shape[: seq.dim])
+    rows = sympy.Integer(1)
+    for out_dim, size in enumerate(out_shape):
+        if _equal(rows, rows_before) and _equal(size, in_shape[seq.dim]):
+            return RuleResult(TOKEN_LOCAL, (seq.moved(out_dim),), (source,))
+        rows = rows * size
+    return _mixing("a reshape that folds a joint (text + image) sequence dimension", node, analysis)
 
 
 def _permutation(node: fx.Node) -> list[int]:
@@ -418,12 +455,55 @@ def _index_dim_rule(node: fx.Node, analysis: SequenceAnalysis, dim_position: int
             if identity_check and _equal(shape_of(_val(node))[dim], shape_of(_val(source))[dim]):
                 dims.append(seq)
                 continue
+            if seq.joint and node.target in (aten.slice.Tensor, aten.narrow.default):
+                return _joint_segment_rule(node, analysis, source, seq)
             if node.target is aten.select.int and seq.plain and isinstance(node.args[2], int):
                 return _mixing("selects one position of the sequence", node, analysis,
                                rewrite="select_position", aligned=(source,))
             return _mixing(f"{_op_name(node)} along the sequence dimension", node, analysis)
         dims.append(seq.moved(seq.dim - 1) if removes_dim and seq.dim > dim else seq)
     return RuleResult(TOKEN_LOCAL, tuple(dims), (source,) if dims else ())
+
+
+def _size_argument(value: Any) -> Any:
+    """An int or SymInt argument (a literal, or a node computing it) as a sympy expression."""
+    if isinstance(value, fx.Node):
+        value = _val(value)
+    if isinstance(value, (int, torch.SymInt)):
+        return expression(value)
+    return None
+
+
+def _segment_bounds(seq: SequenceDim, length: Any) -> dict[str, tuple[Any, Any]]:
+    return {"leading": (sympy.Integer(0), seq.before), "sharded": (seq.before, seq.before + length),
+            "trailing": (seq.before + length, seq.before + length + seq.after)}
+
+
+def _joint_segment_rule(node: fx.Node, analysis: SequenceAnalysis, source: fx.Node, seq: SequenceDim) -> RuleResult:
+    """Taking one segment back out of a joint sequence (``x[:, :text_len]`` after joint
+    attention): the sharded segment is this rank's chunk, a replicated one is whole on every
+    rank. Anything else (a slice across a boundary) reads positions other ranks hold."""
+    size = seq.before + analysis.length + seq.after
+    if node.target is aten.narrow.default:
+        start = _size_argument(node.args[2])
+        end = None if start is None or _size_argument(node.args[3]) is None else start + _size_argument(node.args[3])
+    else:
+        start = _size_argument(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else sympy.Integer(0)
+        raw_end = node.args[3] if len(node.args) > 3 else None
+        step = node.args[4] if len(node.args) > 4 else 1
+        if step != 1:
+            return _mixing("a strided slice of a joint sequence dimension", node, analysis)
+        end = size if raw_end is None or (isinstance(raw_end, int) and raw_end >= 2**62) else _size_argument(raw_end)
+    if start is None or end is None:
+        return _mixing("a slice of a joint sequence dimension with unknown bounds", node, analysis)
+    for segment, (low, high) in _segment_bounds(seq, analysis.length).items():
+        if _equal(start, low) and _equal(end, high):
+            if segment == "sharded":
+                return RuleResult(MIXING, (SequenceDim(seq.dim),), (source,), "the sharded segment of a joint sequence",
+                                  rewrite="take_sharded_segment")
+            return RuleResult(MIXING, (), (source,), f"the replicated {segment} segment of a joint sequence",
+                              rewrite=f"take_{segment}_segment")
+    return _mixing("a slice across the segments of a joint sequence dimension", node, analysis)
 
 
 @rule(aten.slice.Tensor, aten.narrow.default)
@@ -446,6 +526,8 @@ def _split_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     dims = []
     for seq in analysis.dims_of(source):
         if seq.dim == dim:
+            if seq.joint and node.target in (aten.split_with_sizes.default, aten.split.sizes):
+                return _joint_split_rule(node, analysis, source, seq)
             return _mixing("splits along the sequence dimension", node, analysis)
         dims.append(seq.moved(seq.dim - 1) if node.target is aten.unbind.int and seq.dim > dim else seq)
     dims_tuple = tuple(dims)
@@ -460,6 +542,26 @@ def _getitem_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
         return RuleResult(NONE)
     dims = analysis.dims_of(source, index)
     return RuleResult(TOKEN_LOCAL if dims else NONE, dims, (source,) if dims else ())
+
+
+def _joint_split_rule(node: fx.Node, analysis: SequenceAnalysis, source: fx.Node, seq: SequenceDim) -> RuleResult:
+    """``joint.split_with_sizes([text_len, image_len])``: each piece is one whole segment."""
+    sizes = [_size_argument(size) for size in node.args[1]]
+    if any(size is None for size in sizes):
+        return _mixing("a split of a joint sequence dimension with unknown sizes", node, analysis)
+    bounds = _segment_bounds(seq, analysis.length)
+    wanted = [(low, high) for low, high in bounds.values() if not _equal(high - low, 0)]
+    start, pieces = sympy.Integer(0), []
+    for size in sizes:
+        pieces.append((start, start + size))
+        start = start + size
+    if len(pieces) != len(wanted) or not all(_equal(a, c) and _equal(b, d) for (a, b), (c, d) in zip(pieces, wanted)):
+        return _mixing("a split across the segments of a joint sequence dimension", node, analysis)
+    sharded = bounds["sharded"]
+    elements = tuple((SequenceDim(seq.dim),) if _equal(low, sharded[0]) and _equal(high, sharded[1]) else ()
+                     for low, high in pieces)
+    return RuleResult(MIXING, (), (source,), "splits a joint sequence into its segments",
+                      rewrite="split_segments", element_dims=elements)
 
 
 @rule(aten.cat.default, aten.stack.default)
@@ -482,6 +584,10 @@ def _cat_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     seq_inputs = [t for t in tensors if analysis.dims_of(t)]
     if not seq_inputs:
         return _sized_source(node, analysis)
+    if node.target is aten.cat.default and len(seq_inputs) == 1:
+        joint = _joint_concatenation(node, analysis, tensors, seq_inputs[0], dim)
+        if joint is not None:
+            return joint
     mapped = set()
     for tensor in seq_inputs:
         for seq in analysis.dims_of(tensor):
@@ -492,6 +598,20 @@ def _cat_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     if len(mapped) != 1 or len(seq_inputs) != len(tensors):
         return _mixing("concatenates values that are not all sequence-indexed alike", node, analysis)
     return RuleResult(TOKEN_LOCAL, tuple(mapped), tuple(tensors))
+
+
+def _joint_concatenation(node: fx.Node, analysis: SequenceAnalysis, tensors: list[fx.Node], sharded: fx.Node,
+                         dim: int) -> RuleResult | None:
+    """Text tokens concatenated with the image tokens along the sequence (joint attention): the
+    image chunk stays sharded, the text is replicated around it, no gather."""
+    seq = _single(analysis.dims_of(sharded))
+    if seq is None or seq.dim != dim or not seq.unflattened:
+        return None
+    position = tensors.index(sharded)
+    before = sum((shape_of(_val(t))[dim] for t in tensors[:position]), sympy.Integer(0))
+    after = sum((shape_of(_val(t))[dim] for t in tensors[position + 1:]), sympy.Integer(0))
+    joint = replace(seq, before=sympy.expand(seq.before + before), after=sympy.expand(seq.after + after))
+    return RuleResult(TOKEN_LOCAL, (joint,), (sharded,), reason="joint sequence: replicated segments around the chunk")
 
 
 def _is_empty(node: fx.Node, dim: int) -> bool:
@@ -656,6 +776,8 @@ def _loss_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     logits_seq, target_seq = _single(analysis.dims_of(logits)), _single(analysis.dims_of(target))
     if logits_seq is None or target_seq is None:
         return _mixing("a loss whose inputs are not both sequence-indexed", node, analysis)
+    if logits_seq.joint or target_seq.joint:
+        return _mixing("a loss over a joint (replicated + sharded) sequence", node, analysis)
     logits_rank = _val(logits).dim()
     expected_target_dim = logits_seq.dim if logits_seq.dim == 0 else logits_seq.dim - 1
     if logits_seq.dim == 1 and logits_rank > 1 or target_seq.dim != expected_target_dim:
@@ -810,8 +932,45 @@ def fx_to_networkx(graph: fx.Graph) -> nx.DiGraph:
     return digraph
 
 
+def long_segment_of(graph: fx.Graph, length: Any) -> Any:
+    """The length to shard when attention runs over a concatenation of token streams.
+
+    Joint attention (SD3, Flux, HunyuanVideo) attends over ``text + image`` tokens. Sharding the
+    concatenation would gather at every split back into the two streams; sharding only the long
+    stream keeps both streams' token-local work sharded (image) or replicated (text) and passes the
+    text through the head all-to-all whole. The long stream is the operand of a concatenation
+    that forms ``length`` whose size is largest (a product of symbols beats a single symbol,
+    then the traced sizes decide). A single prepended token (a CLS token) is not a stream.
+    """
+    if length is None or not isinstance(length, sympy.Add):
+        return length
+    for node in graph.find_nodes(op="call_function", target=aten.cat.default):
+        value = _val(node)
+        if not isinstance(value, torch.Tensor):
+            continue
+        dim = _normalize(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), value.dim())
+        if not _equal(expression(value.shape[dim]), length):
+            continue
+        parts = [_val(t).shape[dim] for t in node.args[0] if isinstance(t, fx.Node) and not _is_empty(t, dim)]
+        if len(parts) < 2:
+            continue
+        longest = max(parts, key=lambda size: (_size_hint(expression(size)), _traced_size(size)))
+        others = [size for size in parts if size is not longest]
+        if not expression(longest).free_symbols or all(_equal(expression(size), 1) for size in others):
+            continue
+        return expression(longest)
+    return length
+
+
+def _traced_size(size: Any) -> int:
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return int(hint) if hint is not None else 0
+    return int(size)
+
+
 def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite]) -> SequenceAnalysis:
-    length = sequence_length_of(sites)
+    length = long_segment_of(gm.graph, sequence_length_of(sites))
     analysis = SequenceAnalysis(length=length, graph=fx_to_networkx(gm.graph))
     for site in sites:
         if site.region is not None:

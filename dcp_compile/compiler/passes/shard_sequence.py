@@ -179,6 +179,12 @@ class ShardingInterpreter(fx.Interpreter):
     def _learn_length(self, value: torch.Tensor, seq: SequenceDim) -> None:
         if self.length is None and seq.plain and expression(value.shape[seq.dim]) == self.analysis.length:
             self.length = value.shape[seq.dim]
+        elif self.length is None and seq.joint:
+            self.length = value.shape[seq.dim] - self._segments(seq)[0] - self._segments(seq)[1]
+
+    def _segments(self, seq: SequenceDim) -> tuple[Any, Any]:
+        """The replicated segments around the chunk of a joint dimension, as ints or SymInts."""
+        return self.symbolic.evaluate(seq.before), self.symbolic.evaluate(seq.after)
 
     def _seq_of(self, node: fx.Node, index: int | None = None) -> SequenceDim:
         dims = self.analysis.dims_of(node, index)
@@ -192,6 +198,12 @@ class ShardingInterpreter(fx.Interpreter):
             raise CannotShard("the sequence length is only available in flattened form")
         if seq.plain:
             return collectives.narrow_to_chunk(value, seq.dim, self.length, self.sp_size, self.rank)
+        if seq.joint:
+            before, after = self._segments(seq)
+            middle = value.narrow(seq.dim, before, self.length)
+            return torch.cat([value.narrow(seq.dim, 0, before),
+                              collectives.narrow_to_chunk(middle, seq.dim, self.length, self.sp_size, self.rank),
+                              value.narrow(seq.dim, before + self.length, after)], seq.dim)
         outer, inner = self._factors(seq)
         shape = value.shape
         split = value.reshape(*shape[: seq.dim], outer, self.length, inner, *shape[seq.dim + 1 :])
@@ -208,6 +220,13 @@ class ShardingInterpreter(fx.Interpreter):
             raise CannotShard("a chunk must be gathered before the full length is known")
         if seq.plain:
             return collectives.gather_sequence(value, seq.dim, self.length, self.sp_size, self.group)
+        if seq.joint:
+            before, after = self._segments(seq)
+            local = value.shape[seq.dim] - before - after
+            middle = collectives.gather_sequence(value.narrow(seq.dim, before, local), seq.dim, self.length,
+                                                 self.sp_size, self.group)
+            return torch.cat([value.narrow(seq.dim, 0, before), middle,
+                              value.narrow(seq.dim, before + local, after)], seq.dim)
         outer, inner = self._factors(seq)
         shape = value.shape
         split = value.reshape(*shape[: seq.dim], outer, -1, inner, *shape[seq.dim + 1 :])
@@ -308,7 +327,8 @@ class ShardingInterpreter(fx.Interpreter):
                     value = self._run_full(n, reason=f"no chunked form: {why}")
                     self.full[n] = value
                     return value
-                if self.analysis.roles[n].rewrite:
+                role = self.analysis.roles[n]
+                if role.rewrite and not role.sequence_dims and not any(role.element_dims or ()):
                     self.full[n] = value  # a rewrite reduces over the sequence: its result is full
                 else:
                     self.chunk[n] = value
@@ -323,6 +343,9 @@ class ShardingInterpreter(fx.Interpreter):
     def _run_full(self, n: fx.Node, reason: str = "") -> Any:
         if n.op == "call_function" and n.target is aten.sym_size.int:
             return self._sym_size(n)
+        if (n.op == "call_function" and n.target is operator.getitem and n.args[0] in self.chunk
+                and not self.analysis.dims_of(n.args[0], n.args[1])):
+            return self.chunk[n.args[0]][n.args[1]]  # an element that is whole on every rank
         if n.op == "call_function" and n.target in SCALAR_READS and n.args[0] in self.scalar_values:
             return self.scalar_values[n.args[0]]
         if self.sp_size > 1 and n.op == "call_function" and (n.target is SDPA or n in self.analysis.regions):
@@ -349,6 +372,9 @@ class ShardingInterpreter(fx.Interpreter):
         seq = self._seq_of(source)
         if dim % self.chunk[source].dim() != seq.dim:
             return self.chunk[source].size(dim)
+        if seq.joint:
+            before, after = self._segments(seq)
+            return before + self.length + after
         outer, inner = self._factors(seq)
         return self.length * outer * inner
 
@@ -416,6 +442,8 @@ class ShardingInterpreter(fx.Interpreter):
         if self.length is None:
             raise CannotShard("attention before the sequence length is known")
         self.sharded_sites.append(n.name)
+        seq = self._seq_of(query)
+        before, after = self._segments(seq) if seq.joint else (0, 0)
         return torch.ops.dcp.sharded_attention(
             self.as_chunk(query),
             self.as_chunk(key) if key in aligned else self.as_full(key, consumer=n),
@@ -428,6 +456,9 @@ class ShardingInterpreter(fx.Interpreter):
             self.length,
             key in aligned,
             value in aligned,
+            seq.joint,
+            before,
+            after,
         )
 
     def _region_attention(self, n: fx.Node, aligned: set[fx.Node]) -> Any:
@@ -494,6 +525,34 @@ class ShardingInterpreter(fx.Interpreter):
                     count = count * local.shape[d]
             total = total / count
         return total
+
+    def _joint_parts(self, n: fx.Node) -> tuple[torch.Tensor, SequenceDim, Any, Any]:
+        source = n.args[0]
+        seq = self._seq_of(source)
+        before, after = self._segments(seq)
+        return self.as_chunk(source), seq, before, after
+
+    def _rewrite_take_sharded_segment(self, n: fx.Node) -> Any:
+        local, seq, before, after = self._joint_parts(n)
+        self.rewrites.append(f"{n.name}: the chunk of a joint sequence (no gather)")
+        return local.narrow(seq.dim, before, local.shape[seq.dim] - before - after)
+
+    def _rewrite_take_leading_segment(self, n: fx.Node) -> Any:
+        local, seq, before, _ = self._joint_parts(n)
+        self.rewrites.append(f"{n.name}: the replicated leading segment of a joint sequence (no gather)")
+        return local.narrow(seq.dim, 0, before)
+
+    def _rewrite_take_trailing_segment(self, n: fx.Node) -> Any:
+        local, seq, _, after = self._joint_parts(n)
+        self.rewrites.append(f"{n.name}: the replicated trailing segment of a joint sequence (no gather)")
+        return local.narrow(seq.dim, local.shape[seq.dim] - after, after)
+
+    def _rewrite_split_segments(self, n: fx.Node) -> Any:
+        local, seq, before, after = self._joint_parts(n)
+        pieces = [size for size, expr in ((before, seq.before), (local.shape[seq.dim] - before - after, None),
+                                           (after, seq.after)) if expr is None or expr != 0]
+        self.rewrites.append(f"{n.name}: a joint sequence split into its segments (no gather)")
+        return list(torch.split_with_sizes(local, pieces, seq.dim))
 
     def _rewrite_contract_over_sequence(self, n: fx.Node) -> Any:
         partial = getattr(self, n.op)(n.target, (self.as_chunk(n.args[0]), self.as_chunk(n.args[1])), n.kwargs)

@@ -3,7 +3,8 @@
 After ``shard_sequence`` every attention's queries (and its keys/values, for self-attention) are
 the rank's sequence chunk; attention itself cannot run on a chunk. The pass therefore writes this
 op, which carries everything ``insert_all_to_all`` needs (the full sequence length as a SymInt,
-which operands are chunks), and that pass replaces it. Its eager implementation refuses to run:
+which operands are chunks, and for joint attention the replicated text segments around the
+chunk), and that pass replaces it. Its eager implementation refuses to run:
 a graph that still holds it was not finished.
 """
 
@@ -27,6 +28,9 @@ def sharded_attention(
     full_length: int,
     key_is_chunk: bool,
     value_is_chunk: bool,
+    joint: bool,
+    before: int,
+    after: int,
 ) -> torch.Tensor:
     raise RuntimeError(
         "dcp::sharded_attention is a marker for the insert_all_to_all pass and cannot run; "
@@ -36,5 +40,5 @@ def sharded_attention(
 
 @sharded_attention.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, full_length,
-      key_is_chunk, value_is_chunk):
+      key_is_chunk, value_is_chunk, joint, before, after):
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
