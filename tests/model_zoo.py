@@ -425,6 +425,86 @@ class DiTBlockModel(nn.Module):
         return x.view(B, H // 2, W // 2, 2, 2, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, H, W)
 
 
+class JointAttentionBlock(nn.Module):
+    """MM-DiT block (SD3, Flux): text and image tokens keep their own weights but attend jointly
+    over ``cat(text, image)`` (or ``cat(image, text)``) with rotary positions over the joint
+    sequence; the output is split back into the two streams."""
+
+    def __init__(self, hidden: int, num_heads: int, image_first: bool, split: bool) -> None:
+        super().__init__()
+        self.num_heads, self.image_first, self.split = num_heads, image_first, split
+        self.image_qkv, self.text_qkv = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, 3 * hidden)
+        self.image_out, self.text_out = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+        self.image_mlp = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+        self.text_mlp = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+
+    def _heads(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, S, _ = qkv.shape
+        return qkv.view(B, S, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def forward(self, image: Tensor, text: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        (iq, ik, iv), (tq, tk, tv) = self._heads(self.image_qkv(image)), self._heads(self.text_qkv(text))
+        first, second = ((iq, ik, iv), (tq, tk, tv)) if self.image_first else ((tq, tk, tv), (iq, ik, iv))
+        q, k, v = (torch.cat([a, b], dim=2) for a, b in zip(first, second))
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        text_len, image_len = text.shape[1], image.shape[1]
+        if self.split:
+            sizes = [image_len, text_len] if self.image_first else [text_len, image_len]
+            a, b = out.split_with_sizes(sizes, dim=1)
+            image_attn, text_attn = (a, b) if self.image_first else (b, a)
+        elif self.image_first:
+            image_attn, text_attn = out[:, :image_len], out[:, image_len:]
+        else:
+            text_attn, image_attn = out[:, :text_len], out[:, text_len:]
+        image = image + self.image_out(image_attn)
+        text = text + self.text_out(text_attn)
+        return image + self.image_mlp(image), text + self.text_mlp(text)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class JointDiTModel(nn.Module):
+    """Joint-attention DiT: patchified image tokens and projected text tokens, attending together.
+
+    The attention length is ``text + image``; only the image tokens are long. DCP shards the image
+    stream and keeps the text replicated around the chunk (no gather at the splits): one block
+    splits with ``split_with_sizes``, the other slices, one puts the text first, the other last.
+    ``forward(x [B, 4, H, W], text [B, T, text_dim]) -> [B, 4, H, W]``.
+    """
+
+    def __init__(self, in_channels: int = 4, hidden: int = 32, num_heads: int = 4, text_dim: int = 24) -> None:
+        super().__init__()
+        self.in_channels, self.head_dim = in_channels, hidden // num_heads
+        self.x_embedder = nn.Conv2d(in_channels, hidden, kernel_size=2, stride=2)
+        self.text_embedder = nn.Linear(text_dim, hidden)
+        self.blocks = nn.ModuleList([JointAttentionBlock(hidden, num_heads, image_first=False, split=True),
+                                     JointAttentionBlock(hidden, num_heads, image_first=True, split=False)])
+        self.final = nn.Linear(hidden, 4 * in_channels)
+        self.text_head = nn.Linear(hidden, in_channels)
+
+    def _rotary(self, text_len: int, image_len: int, image_first: bool, device: torch.device) -> tuple[Tensor, Tensor]:
+        text_pos = torch.zeros(text_len, device=device)
+        image_pos = torch.arange(image_len, device=device, dtype=torch.float32) + 1
+        positions = torch.cat([image_pos, text_pos] if image_first else [text_pos, image_pos])
+        freqs = 1.0 / (100.0 ** (torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim))
+        angles = torch.outer(positions, freqs).repeat(1, 2)
+        return angles.cos(), angles.sin()
+
+    def forward(self, x: Tensor, text: Tensor) -> Tensor:
+        B, C, H, W = x.shape
+        image = self.x_embedder(x).flatten(2).transpose(1, 2)
+        text = self.text_embedder(text)
+        for block in self.blocks:
+            cos, sin = self._rotary(text.shape[1], image.shape[1], block.image_first, x.device)
+            image, text = block(image, text, cos, sin)
+        out = self.final(image).view(B, H // 2, W // 2, 2, 2, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, H, W)
+        return out + self.text_head(text).mean(1)[:, :, None, None]
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. ViT-style encoder
 # ---------------------------------------------------------------------------------------------
@@ -865,6 +945,11 @@ def _dit_inputs(seq_len: int, batch_size: int, g: torch.Generator) -> dict[str, 
 # --- losses and lengths ----------------------------------------------------------------------
 
 
+def _joint_dit_inputs(seq_len: int, batch_size: int, g: torch.Generator) -> dict[str, Tensor]:
+    H, W = dit_image_hw(seq_len)
+    return {"x": torch.randn(batch_size, 4, H, W, generator=g), "text": torch.randn(batch_size, 5, 24, generator=g)}
+
+
 def _tensor_loss(outputs: Tensor) -> Tensor:
     return outputs.float().pow(2).mean()
 
@@ -902,6 +987,7 @@ ZOO: dict[str, ZooCase] = {
     for case in [
         ZooCase("gpt", GPTModel, _lm_inputs, _lm_loss, _ids_len, causal=True),
         ZooCase("dit", DiTBlockModel, _dit_inputs, _tensor_loss, _dit_len, gather_budget=1),
+        ZooCase("joint_dit", JointDiTModel, _joint_dit_inputs, _tensor_loss, _dit_len, gather_budget=1),
         ZooCase("vit", ViTModel, _vit_inputs, _first_output, _vit_len, max_seq_len=ViTModel.max_len),
         ZooCase("handwritten_attention", HandwrittenAttentionModel, _padded_inputs, _tensor_loss, _ids_len),
         ZooCase("gqa", GQAModel, _lm_inputs, _lm_loss, _ids_len, causal=True),

@@ -800,6 +800,20 @@ def _repeat_interleave_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleRe
     return RuleResult(TOKEN_LOCAL, analysis.dims_of(source), (source,))
 
 
+@rule(aten.repeat.default)
+def _repeat_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    """``x.repeat(1, 2)`` tiles features; it keeps tokens apart unless it tiles the sequence."""
+    source, repeats = node.args[:2]
+    offset = len(repeats) - _val(source).dim()  # repeat may add leading dimensions
+    dims = []
+    for seq in analysis.dims_of(source):
+        count = repeats[seq.dim + offset]
+        if not (isinstance(count, int) and count == 1):
+            return _mixing("repeat along the sequence dimension", node, analysis)
+        dims.append(seq.moved(seq.dim + offset))
+    return RuleResult(TOKEN_LOCAL, tuple(dims), (source,))
+
+
 @rule(aten.pad.default, aten.constant_pad_nd.default)
 def _pad_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     source = node.args[0]
