@@ -800,6 +800,18 @@ def _repeat_interleave_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleRe
     return RuleResult(TOKEN_LOCAL, analysis.dims_of(source), (source,))
 
 
+@rule(aten.view_as_complex.default, aten.view_as_real.default)
+def _complex_view_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    """Complex RoPE (``view_as_complex(x.reshape(..., -1, 2)) * freqs``): the pair of reals that
+    becomes one complex number is the last dimension, never the sequence."""
+    source = node.args[0]
+    rank = _val(source).dim()
+    dims = analysis.dims_of(source)
+    if node.target is aten.view_as_complex.default and any(seq.dim == rank - 1 for seq in dims):
+        return _mixing("view_as_complex over the sequence dimension", node, analysis)
+    return RuleResult(TOKEN_LOCAL, dims, (source,))
+
+
 @rule(aten.repeat.default)
 def _repeat_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     """``x.repeat(1, 2)`` tiles features; it keeps tokens apart unless it tiles the sequence."""
