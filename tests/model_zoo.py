@@ -453,8 +453,8 @@ class JointAttentionBlock(nn.Module):
             sizes = [image_len, text_len] if self.image_first else [text_len, image_len]
             a, b = out.split_with_sizes(sizes, dim=1)
             image_attn, text_attn = (a, b) if self.image_first else (b, a)
-        elif self.image_first:
-            image_attn, text_attn = out[:, :image_len], out[:, image_len:]
+        elif self.image_first:  # counted from the end, as HunyuanVideo writes it
+            image_attn, text_attn = out[:, :-text_len], out[:, -text_len:]
         else:
             text_attn, image_attn = out[:, :text_len], out[:, text_len:]
         image = image + self.image_out(image_attn)

@@ -474,6 +474,19 @@ def _size_argument(value: Any) -> Any:
     return None
 
 
+def _slice_bound(value: Any, size: Any) -> Any:
+    """A slice bound as an offset from the start: Python's ``x[:, :-text_len]`` counts from the
+    end (a negative bound, known from its traced value), ``None``/huge ends mean the end."""
+    if value is None or (isinstance(value, int) and value >= 2**62):
+        return size
+    expr = _size_argument(value)
+    if expr is None:
+        return None
+    traced = _val(value) if isinstance(value, fx.Node) else value
+    negative = traced < 0 if isinstance(traced, int) else (traced.node.hint is not None and traced.node.hint < 0)
+    return sympy.expand(expr + size) if negative else expr
+
+
 def _segment_bounds(seq: SequenceDim, length: Any) -> dict[str, tuple[Any, Any]]:
     return {"leading": (sympy.Integer(0), seq.before), "sharded": (seq.before, seq.before + length),
             "trailing": (seq.before + length, seq.before + length + seq.after)}
@@ -485,15 +498,14 @@ def _joint_segment_rule(node: fx.Node, analysis: SequenceAnalysis, source: fx.No
     rank. Anything else (a slice across a boundary) reads positions other ranks hold."""
     size = seq.before + analysis.length + seq.after
     if node.target is aten.narrow.default:
-        start = _size_argument(node.args[2])
+        start = _slice_bound(node.args[2], size)
         end = None if start is None or _size_argument(node.args[3]) is None else start + _size_argument(node.args[3])
     else:
-        start = _size_argument(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else sympy.Integer(0)
-        raw_end = node.args[3] if len(node.args) > 3 else None
+        start = _slice_bound(node.args[2], size) if len(node.args) > 2 and node.args[2] is not None else sympy.Integer(0)
         step = node.args[4] if len(node.args) > 4 else 1
         if step != 1:
             return _mixing("a strided slice of a joint sequence dimension", node, analysis)
-        end = size if raw_end is None or (isinstance(raw_end, int) and raw_end >= 2**62) else _size_argument(raw_end)
+        end = _slice_bound(node.args[3] if len(node.args) > 3 else None, size)
     if start is None or end is None:
         return _mixing("a slice of a joint sequence dimension with unknown bounds", node, analysis)
     for segment, (low, high) in _segment_bounds(seq, analysis.length).items():
