@@ -430,9 +430,9 @@ class JointAttentionBlock(nn.Module):
     over ``cat(text, image)`` (or ``cat(image, text)``) with rotary positions over the joint
     sequence; the output is split back into the two streams."""
 
-    def __init__(self, hidden: int, num_heads: int, image_first: bool, split: bool) -> None:
+    def __init__(self, hidden: int, num_heads: int, image_first: bool, split: bool, image_queries: bool = False) -> None:
         super().__init__()
-        self.num_heads, self.image_first, self.split = num_heads, image_first, split
+        self.num_heads, self.image_first, self.split, self.image_queries = num_heads, image_first, split, image_queries
         self.image_qkv, self.text_qkv = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, 3 * hidden)
         self.image_out, self.text_out = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
         self.image_mlp = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
@@ -447,8 +447,13 @@ class JointAttentionBlock(nn.Module):
         first, second = ((iq, ik, iv), (tq, tk, tv)) if self.image_first else ((tq, tk, tv), (iq, ik, iv))
         q, k, v = (torch.cat([a, b], dim=2) for a, b in zip(first, second))
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
         text_len, image_len = text.shape[1], image.shape[1]
+        if self.image_queries:  # PRX: only the image tokens query, over text + image keys
+            image_q = q[:, :, text_len:]
+            image_attn = F.scaled_dot_product_attention(image_q, k, v).transpose(1, 2).flatten(2)
+            image = image + self.image_out(image_attn)
+            return image + self.image_mlp(image), text + self.text_mlp(text)
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
         if self.split:
             sizes = [image_len, text_len] if self.image_first else [text_len, image_len]
             a, b = out.split_with_sizes(sizes, dim=1)
@@ -472,7 +477,8 @@ class JointDiTModel(nn.Module):
 
     The attention length is ``text + image``; only the image tokens are long. DCP shards the image
     stream and keeps the text replicated around the chunk (no gather at the splits): one block
-    splits with ``split_with_sizes``, the other slices, one puts the text first, the other last.
+    splits with ``split_with_sizes``, the second slices (from the end), one puts the text first, the
+    other last; the third lets only the image tokens query over the joint keys (PRX).
     ``forward(x [B, 4, H, W], text [B, T, text_dim]) -> [B, 4, H, W]``.
     """
 
@@ -482,7 +488,9 @@ class JointDiTModel(nn.Module):
         self.x_embedder = nn.Conv2d(in_channels, hidden, kernel_size=2, stride=2)
         self.text_embedder = nn.Linear(text_dim, hidden)
         self.blocks = nn.ModuleList([JointAttentionBlock(hidden, num_heads, image_first=False, split=True),
-                                     JointAttentionBlock(hidden, num_heads, image_first=True, split=False)])
+                                     JointAttentionBlock(hidden, num_heads, image_first=True, split=False),
+                                     JointAttentionBlock(hidden, num_heads, image_first=False, split=False,
+                                                         image_queries=True)])
         self.final = nn.Linear(hidden, 4 * in_channels)
         self.text_head = nn.Linear(hidden, in_channels)
 

@@ -133,8 +133,8 @@ def _present(segment: Any) -> bool:
 
 
 def ulysses_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, full_length,
-                      key_is_chunk, value_is_chunk, joint=False, before=0, after=0, *, sp_size: int, rank: int,
-                      group: str) -> torch.Tensor:
+                      key_is_chunk, value_is_chunk, query_joint=False, key_joint=False, before=0, after=0, *,
+                      sp_size: int, rank: int, group: str) -> torch.Tensor:
     """Ulysses around one attention. A joint sequence (``[text | image chunk | text]`` on every
     rank) sends only the image chunk through the all-to-all; the replicated text segments are
     cut to the rank's heads locally and, after attention, gathered back to every head."""
@@ -160,10 +160,10 @@ def ulysses_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
 
     def to_heads(tensor: torch.Tensor, is_chunk: bool) -> torch.Tensor:
         if is_chunk:
-            return joint_to_heads(tensor, kv_layout) if joint else sequence_to_heads(tensor, kv_layout, lengths, group)
+            return joint_to_heads(tensor, kv_layout) if key_joint else sequence_to_heads(tensor, kv_layout, lengths, group)
         return select_heads(tensor, kv_layout.of_rank(rank), False)
 
-    if joint:
+    if query_joint:
         local = query.shape[2] - before - after
         query_heads = joint_to_heads(query, query_layout)
     else:
@@ -174,7 +174,7 @@ def ulysses_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
         query_heads, key_heads, value_heads, attn_mask=mask, dropout_p=dropout_p,
         is_causal=is_causal, scale=scale, enable_gqa=gqa,
     )
-    if joint:
+    if query_joint:
         leading, chunk, trailing = out.narrow(2, 0, before), out.narrow(2, before, full_length), \
             out.narrow(2, before + full_length, after)
         parts = [gather_heads(leading, query.shape[1], sp_size, group)] if _present(before) else []

@@ -287,14 +287,18 @@ def _attention_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     if seq is None or seq.dim != rank - 2 or not seq.unflattened:
         return _mixing("attention whose queries are not sequence-indexed on dim -2", node, analysis)
     aligned = [query]
+    kv_layouts = set()
     for other in (key, value):
         other_seq = _single(analysis.dims_of(other))
         if other_seq is not None and other_seq.dim == rank - 2 and other_seq.unflattened:
-            if other_seq != seq:
-                return _mixing("joint attention whose queries and keys/values are segmented differently", node, analysis)
+            kv_layouts.add(other_seq)
             aligned.append(other)
         elif seq.joint:
             return _mixing("joint attention over keys/values that are not the same joint sequence", node, analysis)
+    # Queries and keys/values share one layout, or image queries attend over joint keys/values
+    # (text keys prepended, PRX): the segments are the keys'.
+    if len(kv_layouts) > 1 or (seq.joint and kv_layouts != {seq}):
+        return _mixing("joint attention whose queries and keys/values are segmented differently", node, analysis)
     return RuleResult(ATTENTION, (seq,), tuple(aligned))
 
 

@@ -443,7 +443,9 @@ class ShardingInterpreter(fx.Interpreter):
             raise CannotShard("attention before the sequence length is known")
         self.sharded_sites.append(n.name)
         seq = self._seq_of(query)
-        before, after = self._segments(seq) if seq.joint else (0, 0)
+        key_seq = self._seq_of(key) if key in aligned else seq
+        segmented = seq if seq.joint else key_seq
+        before, after = self._segments(segmented) if segmented.joint else (0, 0)
         return torch.ops.dcp.sharded_attention(
             self.as_chunk(query),
             self.as_chunk(key) if key in aligned else self.as_full(key, consumer=n),
@@ -457,6 +459,7 @@ class ShardingInterpreter(fx.Interpreter):
             key in aligned,
             value in aligned,
             seq.joint,
+            key_seq.joint,
             before,
             after,
         )

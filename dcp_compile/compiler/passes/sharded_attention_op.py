@@ -28,7 +28,8 @@ def sharded_attention(
     full_length: int,
     key_is_chunk: bool,
     value_is_chunk: bool,
-    joint: bool,
+    query_joint: bool,
+    key_joint: bool,
     before: int,
     after: int,
 ) -> torch.Tensor:
@@ -40,5 +41,5 @@ def sharded_attention(
 
 @sharded_attention.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, full_length,
-      key_is_chunk, value_is_chunk, joint, before, after):
+      key_is_chunk, value_is_chunk, query_joint, key_joint, before, after):
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
