@@ -630,7 +630,17 @@ class ShardingInterpreter(fx.Interpreter):
             start = chunk_start(self.length, self.sp_size, self.rank)
             return collectives.replicated_output(full, local, seq.dim, start)
 
-        return fx.map_arg(n.args[0], finish)
+        def with_traced_layout(node: Any) -> Any:
+            """Outputs keep the memory layout eager gives them: code after a graph break may
+            ``view`` them, which a gathered or re-concatenated value's strides would refuse."""
+            value = finish(node)
+            traced = node.meta.get("val") if isinstance(node, fx.Node) else None
+            if (_is_tensor(value) and _is_tensor(traced) and traced.is_contiguous()
+                    and not value.is_contiguous()):
+                return value.contiguous()
+            return value
+
+        return fx.map_arg(n.args[0], with_traced_layout)
 
 
 def shard_sequence_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
