@@ -939,6 +939,9 @@ def _classify(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
 
 def sequence_length_of(sites: list[AttentionSite]) -> Any:
     """The attention length expression shared by the self-attention sites (most common wins)."""
+    # A single query (a pooling attention: one learned or mean token attending over the text) has
+    # no sequence of its own to shard: length 1 would make every size-1 dimension a "sequence".
+    sites = [site for site in sites if not _equal(expression(_val(site.query).shape[-2]), 1)]
     counts: dict[Any, int] = {}
     for site in sites:
         query, key = _val(site.query), _val(site.key)
