@@ -1064,16 +1064,14 @@ QUICK = {  # about a minute each on CI's 2 cores: the rest run after them while 
 # benchmarks/results/real_model_zoo.md). They are expected to fail the sharding assertions (never
 # parity: a gap means extra gathers or an unsharded site, which stay exact); non-strict because a
 # fix of the mechanism turns them green one by one. The next plan takes them from here.
-_JOINT = ("joint attention (text + image tokens concatenated into one attention): the concatenated "
-          "sequence is sharded and its splits gather; sharding only the long modality is not built yet")
 _MOE = "MoE expert dispatch (sort/permute tokens by expert, grouped matmul) runs on gathered tokens"
 _ALIBI = ("its ALiBi attention (baddbmm of the bias with q and k^T on [B*H, S, D] views) is not found: 0 sites, "
           "so SP 2 runs unsharded (exact); its custom GeLU backward is kept since the custom-autograd capture")
 _INPLACE = "in-place write into a slice of a replicated input (custom-Function view) raises in autograd"
 KNOWN_GAPS: dict[str, str] = {
-    **{name: _JOINT for name in ("sd3", "flux", "flux2", "flux3", "bria", "chroma", "longcat_image", "ovis_image",
-                                 "qwenimage", "hunyuan_video", "hunyuan_video15", "hunyuan_image", "auraflow",
-                                 "cogview3plus", "easyanimate", "prx", "z_image", "hidream", "mochi", "nucleus_moe_image")},
+    "mochi": "data-dependent text-token selection (torch.nonzero in its attention processor) breaks the graph "
+             "around every attention: the attentions and their projections run in eager code (refused by "
+             "dcp.sync_gradients, named by dcp.check); needs capture_dynamic_output_shape_ops and a packed joint layout",
     **{name: _MOE for name in ("mixtral-sdpa", "mixtral-sdpa-nocache", "qwen2_moe-sdpa", "qwen2_moe-sdpa-nocache",
                                "qwen3_moe-sdpa", "qwen3_moe-sdpa-nocache")},
     **{name: _INPLACE for name in ("cogview4", "glm_image", "cogvideox15")},

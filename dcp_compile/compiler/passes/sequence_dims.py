@@ -43,6 +43,10 @@ aten = torch.ops.aten
 log = logging.getLogger(__name__)
 
 SOURCE, TOKEN_LOCAL, ATTENTION, MIXING, NONE = "source", "token_local", "attention", "sequence_mixing", "none"
+# A value computed from the set of this rank's tokens that is not indexed by them (per-expert token
+# counts of an MoE dispatch): it runs on the rank's tokens and is never gathered.
+TOKEN_SET = "token_set"
+INHERIT = object()  # a rule result's token order: that of its aligned inputs
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ class NodeRole:
     aligned_inputs: tuple[fx.Node, ...] = ()  # inputs whose chunking must match this node's
     reason: str = ""
     rewrite: str | None = None
+    token_order: fx.Node | None = None  # the sort whose order this value's token rows follow (None: token order)
 
 
 @dataclass
@@ -101,6 +106,7 @@ class SequenceAnalysis:
     graph: nx.DiGraph | None = None
     regions: dict[fx.Node, AttentionSite] = field(default_factory=dict)  # hand-written region output -> site
     region_members: dict[fx.Node, AttentionSite] = field(default_factory=dict)  # its other nodes -> site
+    positions: dict[Any, Any] = field(default_factory=dict)  # node or (node, index) -> TokenPositions
 
     def dims_of(self, node: Any, index: int | None = None) -> tuple[SequenceDim, ...]:
         role = self.roles.get(node) if isinstance(node, fx.Node) else None
@@ -213,6 +219,7 @@ class RuleResult:
     reason: str = ""
     rewrite: str | None = None
     element_dims: tuple[tuple[SequenceDim, ...], ...] | None = None
+    token_order: Any = INHERIT
 
 
 Rule = Callable[[fx.Node, "SequenceAnalysis"], RuleResult]
@@ -557,6 +564,8 @@ def _getitem_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     if not isinstance(source, fx.Node) or not isinstance(index, int):
         return RuleResult(NONE)
     dims = analysis.dims_of(source, index)
+    if (source, index) in analysis.positions:
+        analysis.positions[node] = analysis.positions[(source, index)]
     return RuleResult(TOKEN_LOCAL if dims else NONE, dims, (source,) if dims else ())
 
 
@@ -735,7 +744,10 @@ def _select_along_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     dim = _normalize(dim, rank)
     dims = analysis.dims_of(source)
     if any(seq.dim == dim for seq in dims):
-        return _mixing(f"{_op_name(node)} along the sequence dimension", node, analysis)
+        from dcp_compile.compiler.passes.token_permutations import sort_token_set
+
+        return sort_token_set(node, analysis, source, dim) or _mixing(
+            f"{_op_name(node)} along the sequence dimension", node, analysis)
     out = _val(node)
     elements = tuple(dims for _ in out) if isinstance(out, (tuple, list)) else None
     return RuleResult(TOKEN_LOCAL, dims, (source,), element_dims=elements)
@@ -902,7 +914,9 @@ def _classify(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
         return RuleResult(NONE)
     has_seq_input = bool(_seq_inputs(node, analysis))
     target = node.target
-    if target in RULES:
+    if has_seq_input and token_permutations.is_grouped_matmul(target):
+        result = token_permutations.grouped_matmul_rule(node, analysis)
+    elif target in RULES:
         result = RULES[target](node, analysis)
     elif target in VIEWS:
         result = _view(node, analysis) if has_seq_input else RuleResult(NONE)
@@ -1024,11 +1038,39 @@ def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite]) -> Seq
     if length is None:
         return analysis
     for node in nx.topological_sort(analysis.graph):
-        result = _classify(node, analysis)
+        result = _token_set_inputs(node, analysis) or _classify(node, analysis)
+        order = _token_order(result, analysis)
+        if order is INHERIT:
+            result = _mixing("combines token rows kept in different orders", node, analysis)
+            order = None
         analysis.roles[node] = NodeRole(
-            result.role, result.dims, result.element_dims, result.aligned, result.reason, result.rewrite
+            result.role, result.dims, result.element_dims, result.aligned, result.reason, result.rewrite, order
         )
     return analysis
+
+
+def _token_set_inputs(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult | None:
+    """An op over token-set values alone (``cumsum`` of per-expert counts) stays a token-set value."""
+    if node.op != "call_function":
+        return None
+    inputs = [n for n in node.all_input_nodes if n in analysis.roles]
+    sets = [n for n in inputs if analysis.roles[n].role == TOKEN_SET]
+    if not sets or any(analysis.dims_of(n) for n in inputs):
+        return None
+    return RuleResult(TOKEN_SET, (), tuple(sets), "computed from this rank's token set")
+
+
+def _token_order(result: RuleResult, analysis: SequenceAnalysis) -> Any:
+    """The order of the result's token rows: set by the permutation rules, else the one order its
+    aligned inputs share (INHERIT when they disagree: combining two orders would pair wrong rows)."""
+    if result.token_order is not INHERIT:
+        return result.token_order
+    if result.role not in (TOKEN_LOCAL, TOKEN_SET, ATTENTION) and not result.rewrite:
+        return None
+    orders = {analysis.roles[n].token_order for n in result.aligned if n in analysis.roles}
+    if len(orders) > 1:
+        return INHERIT
+    return next(iter(orders), None)
 
 
 def sequence_dims_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -1047,3 +1089,6 @@ def sequence_dims_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             counts[role.role] = counts.get(role.role, 0) + 1
         log.info("dcp: sequence length %s; roles %s", analysis.length, counts)
     return gm
+
+
+from dcp_compile.compiler.passes import token_permutations  # noqa: E402,F401  (registers its rules)

@@ -40,7 +40,7 @@ from dcp_compile.compiler.passes import sharded_attention_op  # noqa: F401  (reg
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import SDPA, sdpa_argument
 from dcp_compile.compiler.passes.sequence_dims import (
-    ATTENTION, MIXING, SOURCE, TOKEN_LOCAL, VIEWS, SequenceAnalysis, SequenceDim, expression,
+    ATTENTION, MIXING, SOURCE, TOKEN_LOCAL, TOKEN_SET, VIEWS, SequenceAnalysis, SequenceDim, expression,
 )
 from dcp_compile.compiler.symbolic_sizes import SymbolicSizes, UnknownSymbol
 from dcp_compile.compiler import ulysses
@@ -82,7 +82,7 @@ def plan_sharding(analysis: SequenceAnalysis) -> ShardPlan:
     for node, role in analysis.roles.items():
         if node in analysis.region_members:
             continue  # follows its region's output (below)
-        if role.role in (TOKEN_LOCAL, ATTENTION) or (role.role == MIXING and role.rewrite):
+        if role.role in (TOKEN_LOCAL, ATTENTION, TOKEN_SET) or (role.role == MIXING and role.rewrite):
             alignment.add_node(node)
             for source in role.aligned_inputs:
                 alignment.add_edge(source, node)
@@ -93,7 +93,7 @@ def plan_sharding(analysis: SequenceAnalysis) -> ShardPlan:
             plan.regions += 1
             plan.sharded_nodes.update(
                 n for n in component
-                if analysis.roles[n].role in (TOKEN_LOCAL, ATTENTION)
+                if analysis.roles[n].role in (TOKEN_LOCAL, ATTENTION, TOKEN_SET)
                 or (analysis.roles[n].role == MIXING and analysis.roles[n].rewrite)
             )
     plan.sharded_nodes.update(member for member, site in analysis.region_members.items()
@@ -254,6 +254,10 @@ class ShardingInterpreter(fx.Interpreter):
             return node
         if node in self.full:
             return self.full[node]
+        role = self.analysis.roles.get(node)
+        if role is not None and (role.token_order is not None or role.role == TOKEN_SET):
+            raise CannotShard(f"{node.name} holds this rank's tokens permuted locally (or counts of them); "
+                              "gathering it would interleave the ranks' orders")
         replayed = self._replay_full(node)
         if replayed is not None:
             return replayed
@@ -556,6 +560,12 @@ class ShardingInterpreter(fx.Interpreter):
                                            (after, seq.after)) if expr is None or expr != 0]
         self.rewrites.append(f"{n.name}: a joint sequence split into its segments (no gather)")
         return list(torch.split_with_sizes(local, pieces, seq.dim))
+
+    def _rewrite_inverse_permutation(self, n: fx.Node) -> Any:
+        index = self.as_chunk(n.args[1][0])
+        positions = torch.arange(index.shape[0], device=index.device, dtype=index.dtype)
+        self.rewrites.append(f"{n.name}: the inverse of this rank's token permutation (local)")
+        return torch.empty_like(index).index_put((index,), positions)
 
     def _rewrite_contract_over_sequence(self, n: fx.Node) -> Any:
         partial = getattr(self, n.op)(n.target, (self.as_chunk(n.args[0]), self.as_chunk(n.args[1])), n.kwargs)
