@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
+import sympy
 import torch
 import torch.fx as fx
 
@@ -107,6 +108,20 @@ def _regathered(role: Any) -> bool:
 
 def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
+
+
+def _row_major(value: torch.Tensor) -> bool:
+    """Contiguity read off the size and stride expressions: no SymInt arithmetic (which would
+    add nodes to, or guards on, the trace in progress)."""
+    expected = sympy.Integer(1)
+    for size, stride in reversed(list(zip(value.shape, value.stride()))):
+        size_expr, stride_expr = expression(size), expression(stride)
+        if size_expr == 1:
+            continue
+        if sympy.expand(stride_expr - expected) != 0:
+            return False
+        expected = expected * size_expr
+    return True
 
 
 def describe_node(n: fx.Node | None) -> str:
@@ -645,8 +660,7 @@ class ShardingInterpreter(fx.Interpreter):
             ``view`` them, which a gathered or re-concatenated value's strides would refuse."""
             value = finish(node)
             traced = node.meta.get("val") if isinstance(node, fx.Node) else None
-            if (_is_tensor(value) and _is_tensor(traced) and traced.is_contiguous()
-                    and not value.is_contiguous()):
+            if _is_tensor(value) and _is_tensor(traced) and _row_major(traced) and not _row_major(value):
                 return value.contiguous()
             return value
 
