@@ -296,6 +296,42 @@ class CustomFunctionGPT(GPTModel):
             layer.mlp = CustomFunctionMLP(32, 64)
 
 
+class SortedExperts(nn.Module):
+    """Mixture-of-experts feed-forward, dispatched the way Mixtral/Qwen-MoE kernels do: flatten the
+    tokens, sort the (token, expert) pairs by expert, gather the rows in that order, run each row
+    through its expert's weights, scale by the router weight and scatter back with the inverse
+    permutation. Every token's output depends on its own row only."""
+
+    def __init__(self, hidden: int, mlp_hidden: int, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, hidden, mlp_hidden) * hidden**-0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, mlp_hidden, hidden) * mlp_hidden**-0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, S, D = x.shape
+        tokens = x.reshape(-1, D)
+        weights, experts = self.router(tokens).softmax(-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        sorted_experts, order = experts.reshape(-1).sort()
+        rows = tokens[order // self.top_k]
+        hidden = F.silu(torch.bmm(rows.unsqueeze(1), self.w_in[sorted_experts]))
+        out = torch.bmm(hidden, self.w_out[sorted_experts]).squeeze(1) * weights.reshape(-1)[order].unsqueeze(-1)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return out[inverse].view(-1, self.top_k, D).sum(1).view(B, S, D)
+
+
+class MoEGPT(GPTModel):
+    """The GPT decoder with sorted-dispatch mixture-of-experts feed-forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for layer in self.layers:
+            layer.mlp = SortedExperts(32, 64)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. DiT-style block model
 # ---------------------------------------------------------------------------------------------
@@ -1000,6 +1036,7 @@ ZOO: dict[str, ZooCase] = {
         ZooCase("handwritten_attention", HandwrittenAttentionModel, _padded_inputs, _tensor_loss, _ids_len),
         ZooCase("gqa", GQAModel, _lm_inputs, _lm_loss, _ids_len, causal=True),
         ZooCase("custom_function", CustomFunctionGPT, _lm_inputs, _lm_loss, _ids_len, causal=True),
+        ZooCase("moe", MoEGPT, _lm_inputs, _lm_loss, _ids_len, causal=True),
         ZooCase("no_attention", NoAttentionModel, _ids_only_inputs, _tensor_loss, _ids_len),
         ZooCase(
             "hf_llama", tiny_llama, _hf_lm_inputs, _lm_loss, _ids_len,

@@ -1064,7 +1064,6 @@ QUICK = {  # about a minute each on CI's 2 cores: the rest run after them while 
 # benchmarks/results/real_model_zoo.md). They are expected to fail the sharding assertions (never
 # parity: a gap means extra gathers or an unsharded site, which stay exact); non-strict because a
 # fix of the mechanism turns them green one by one. The next plan takes them from here.
-_MOE = "MoE expert dispatch (sort/permute tokens by expert, grouped matmul) runs on gathered tokens"
 _ALIBI = ("its ALiBi attention (baddbmm of the bias with q and k^T on [B*H, S, D] views) is not found: 0 sites, "
           "so SP 2 runs unsharded (exact); its custom GeLU backward is kept since the custom-autograd capture")
 _INPLACE = "in-place write into a slice of a replicated input (custom-Function view) raises in autograd"
@@ -1072,12 +1071,10 @@ KNOWN_GAPS: dict[str, str] = {
     "mochi": "data-dependent text-token selection (torch.nonzero in its attention processor) breaks the graph "
              "around every attention: the attentions and their projections run in eager code (refused by "
              "dcp.sync_gradients, named by dcp.check); needs capture_dynamic_output_shape_ops and a packed joint layout",
-    **{name: _MOE for name in ("mixtral-sdpa", "mixtral-sdpa-nocache", "qwen2_moe-sdpa", "qwen2_moe-sdpa-nocache",
-                               "qwen3_moe-sdpa", "qwen3_moe-sdpa-nocache")},
-    **{name: _INPLACE for name in ("cogview4", "glm_image", "cogvideox15")},
+    **{name: _INPLACE for name in ("glm_image", "cogvideox15")},
     "cogvideox": "a sin-cos position table built from numpy inside forward is a real tensor in the fake re-trace",
-    "lumina2": "view_as_complex RoPE and repeat over the sequence have no sharding rule (gathered)",
-    "lumina_next": "view_as_complex RoPE and repeat over the sequence have no sharding rule (gathered)",
+    "lumina2": "per-sample caption lengths reach the graph as ints after a graph break; the padded caption buffer "
+               "(a constant 26 positions) is sliced at them along the joint sequence (2 gathers, budget 1)",
     "gemma2-eager": "sliding-window KV cache slices the keys by a symbolic window (gathered) with use_cache=True",
     "gpt2-eager": "a graph break in transformers (logging for config.loss_type) hands logits_to_keep over as a "
                   "symbolic int; the hidden-state slice it bounds is gathered",
@@ -1087,11 +1084,9 @@ KNOWN_GAPS: dict[str, str] = {
     "bloom-eager-nocache": _ALIBI,
     "hunyuan_video15": "a data-dependent `if` then a graph break inside a for loop make Dynamo run the rest of forward "
                        "eagerly: proj_out runs outside the compiled graphs, in full on every rank (P-times gradient, "
-                       "now refused by dcp.sync_gradients and named by dcp.check); 2 gathers at slices of the joint "
-                       "text+video sequence",
-    "z_image": "Dynamo graph breaks leave its patch and caption embedders in eager code (P-times gradient, now "
-               "refused by dcp.sync_gradients and named by dcp.check); view_as_complex RoPE gathered, an outer "
-               "product of positions mixed",
+                       "refused by dcp.sync_gradients and named by dcp.check)",
+    "z_image": "Dynamo graph breaks leave its patch and caption embedders in eager code (P-times gradient, refused "
+               "by dcp.sync_gradients and named by dcp.check); an outer product of positions is gathered",
 }
 
 CASES: dict[str, RealCase] = {

@@ -60,6 +60,7 @@ def dcp_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str
     record.attention_sites = [site.describe() for site in analysis.attention_sites]
     record.sequence_length = str(sequence.length) if sequence is not None and sequence.length is not None else None
     record.classification = sequence.table() if sequence is not None else []
+    record.graph = analysed
     record.trace_seconds = time.perf_counter() - start
     dispatcher = Dispatcher(parsed, record, analysed, analysis, fake_inputs, fake_mode, VARIANT_PASSES)
     if not parsed.buckets:

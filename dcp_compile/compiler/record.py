@@ -89,6 +89,10 @@ class GraphRecord:
     variants: dict[Any, VariantRecord] = field(default_factory=dict)
     dispatches: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
     trace_seconds: float = 0.0
+    # The analysed ATen graph, which the dispatcher keeps anyway: its node names are those of
+    # ``classification`` and of every variant's gathers, and its nodes carry ``nn_module_stack``
+    # and ``stack_trace``, so the HTML report can group ops by module and link to source lines.
+    graph: fx.GraphModule | None = None
 
     def variant(self, key: Any) -> VariantRecord:
         return self.variants[key]
@@ -146,6 +150,14 @@ class ModelRecord:
 
     def variant_records(self) -> list[VariantRecord]:
         return [variant for graph in self.graphs for variant in graph.variants.values()]
+
+    def save_html(self, path: str, plans: Any = None) -> str:
+        """Write a self-contained HTML report (graphs by module, roles, gathers with source lines,
+        pass diffs; ``plans``: optional StepPlans drawn as a timeline). Rendering lives in
+        ``dcp_compile.report``, imported here only when asked for."""
+        from dcp_compile.report.html_report import save_model_report
+
+        return save_model_report(self, path, plans=plans)
 
     def __getitem__(self, index: int) -> GraphRecord:
         return self.graphs[index]

@@ -700,6 +700,12 @@ def _matmul_rule(node, analysis):
         # ``k^T @ v`` of linear attention: a sum over the sequence, done locally plus one all-reduce.
         return _mixing("a matrix product that sums over the sequence", node, analysis,
                        rewrite="contract_over_sequence", aligned=(first, second))
+    if (first_seq is not None and second_seq is not None and first_seq.dim < first_rank - 2
+            and second_seq.dim < second_rank - 2 and first_seq.dim - first_rank == second_seq.dim - second_rank
+            and first_seq == second_seq.moved(first_seq.dim)):
+        # Both operands batched over the same tokens (``bmm(row, expert_weight[token])``): one
+        # small product per token.
+        return RuleResult(TOKEN_LOCAL, (first_seq.moved(first_seq.dim + out_rank - first_rank),), (first, second))
     if first_seq is None and not analysis.dims_of(first) and second_seq is not None and second_seq.dim == second_rank - 1:
         # ``kv @ q^T`` with the tokens as columns: each output column is one token's.
         return RuleResult(TOKEN_LOCAL, (second_seq.moved(out_rank - 1),), (second,))
