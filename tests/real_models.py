@@ -1066,12 +1066,10 @@ QUICK = {  # about a minute each on CI's 2 cores: the rest run after them while 
 # fix of the mechanism turns them green one by one. The next plan takes them from here.
 _ALIBI = ("its ALiBi attention (baddbmm of the bias with q and k^T on [B*H, S, D] views) is not found: 0 sites, "
           "so SP 2 runs unsharded (exact); its custom GeLU backward is kept since the custom-autograd capture")
-_INPLACE = "in-place write into a slice of a replicated input (custom-Function view) raises in autograd"
 KNOWN_GAPS: dict[str, str] = {
     "mochi": "data-dependent text-token selection (torch.nonzero in its attention processor) breaks the graph "
              "around every attention: the attentions and their projections run in eager code (refused by "
              "dcp.sync_gradients, named by dcp.check); needs capture_dynamic_output_shape_ops and a packed joint layout",
-    **{name: _INPLACE for name in ("glm_image", "cogvideox15")},
     "cogvideox": "a sin-cos position table built from numpy inside forward is a real tensor in the fake re-trace",
     "lumina2": "per-sample caption lengths reach the graph as ints after a graph break; the padded caption buffer "
                "(a constant 26 positions) is sliced at them along the joint sequence (2 gathers, budget 1)",
