@@ -50,6 +50,7 @@ _EXPORTS = {
     "DataCentricSampler": "dcp_compile.schedule.sampler",
     "PlanMismatchError": "dcp_compile.schedule.sampler",
     "sync_gradients": "dcp_compile.runtime.gradient_sync",
+    "watch_parameters": "dcp_compile.runtime.graph_parameters",
     "PackedBatch": "dcp_compile.runtime.packing",
     "pack_sequences": "dcp_compile.runtime.packing",
     "create_sp_groups": "dcp_compile.runtime.process_groups",

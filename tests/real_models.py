@@ -1193,9 +1193,9 @@ def compiled_run(model: nn.Module, compiled: Any, case: RealCase, tokens: int, g
     outputs = compiled(**inputs)
     case.loss_of(outputs).backward()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        from dcp_compile.runtime.graph_parameters import check_parameters_in_graphs
+        from dcp_compile.runtime.graph_parameters import correct_parameters_outside_graphs
 
-        check_parameters_in_graphs(model.named_parameters())  # what dcp.sync_gradients refuses
+        correct_parameters_outside_graphs(model)  # what dcp.sync_gradients does first
     grads = {}
     for name, param in model.named_parameters():
         if param.grad is None:

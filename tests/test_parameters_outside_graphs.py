@@ -1,6 +1,8 @@
 """Parameters that a graph break leaves in eager code get their full gradient on every rank of an
-SP group: ``dcp.sync_gradients`` refuses to sum them (P-times the right value) and ``dcp.check``
-names them. Two real gloo ranks."""
+SP group: ``dcp.sync_gradients`` divides each micro-batch's share by its SP size (a hook per
+parameter, or at the sync for a first step of one SP size) so the sum over the group is exact,
+refuses a first step of mixed SP sizes it cannot split any more, and ``dcp.check`` names them.
+Two real gloo ranks, against eager on the full batch."""
 
 from __future__ import annotations
 
@@ -29,30 +31,59 @@ class AttentionThenEagerHead(nn.Module):
         return self.eager_head(out)
 
 
-def _worker(rank: int, world_size: int) -> dict:
+def _eager_gradients(model: nn.Module, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    for x in batches:
+        model(x).pow(2).mean().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _worker(rank: int, world_size: int, watch: bool, first_step_mixed: bool = False) -> dict:
+    import torch.distributed as dist
+
     import dcp_compile as dcp
     from dcp_compile.runtime.graph_parameters import ParametersOutsideGraphs
 
     torch.manual_seed(0)
     model = AttentionThenEagerHead()
     compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager", "sp_size": world_size})
-    x = torch.randn(2, 9, 8)
-    report = dcp.check(compiled, x, raise_on_mismatch=False)
-    model.zero_grad()
-    compiled(x).pow(2).mean().backward()
-    try:
-        dcp.sync_gradients(model)
-    except ParametersOutsideGraphs as error:
-        refused = str(error)
-    else:
-        refused = ""
-    sharded = all(v.is_sharded for v in report.record.variant_records() if v.sp_size > 1)
-    return {"refused": refused, "check": str(report), "sharded": sharded}
+    x, y = torch.randn(2, 9, 8), torch.randn(2, 7, 8)
+    report = None if first_step_mixed else dcp.check(compiled, x, raise_on_mismatch=False)
+    sharded = report is None or all(v.is_sharded for v in report.record.variant_records() if v.sp_size > 1)
+    if watch:
+        dcp.watch_parameters(model)
+    errors = {}
+    steps = [[(x, 2), (y, 1)], [(x, 2), (y, 1)]] if first_step_mixed else [[(x, 2)], [(x, 2), (y, 1)]]
+    for step, batches in enumerate(steps):
+        # One step at SP 2, then one mixing SP 2 (both ranks, the same sample) and SP 1 (each rank
+        # its own half of the step's weight, so the world sum equals eager on both samples).
+        model.zero_grad()
+        for sample, sp_size in batches:
+            with dcp.use(dcp.Variant(sp_size)):
+                loss = compiled(sample).pow(2).mean()
+            (loss * (1.0 if sp_size == world_size else 1.0 / world_size)).backward()
+        try:
+            dcp.sync_gradients(model)
+        except ParametersOutsideGraphs as error:
+            errors[step] = str(error)
+            continue
+        expected = _eager_gradients(model, [sample for sample, _ in batches])
+        errors[step] = max((p.grad - expected[name]).abs().max().item() for name, p in model.named_parameters())
+    dist.barrier()
+    return {"errors": errors, "check": str(report), "sharded": sharded}
 
 
-def test_sync_refuses_and_check_names_parameters_left_in_eager_code():
-    for result in run_in_process_world(_worker, 2, timeout=300):
-        assert "head.weight" in result["refused"] and "head.bias" in result["refused"], result["refused"]
-        assert "qkv" not in result["refused"]
-        assert "gradient of head.weight: computed in eager code" in result["check"], result["check"]
+def test_eager_parameters_are_divided_by_the_sp_size():
+    for result in run_in_process_world(_worker, 2, True, timeout=300):
         assert result["sharded"], result["check"]
+        assert "note: gradient of head.weight: computed in eager code" in result["check"], result["check"]
+        assert "OK" in result["check"].splitlines()[0], result["check"]
+        assert result["errors"][0] < 1e-6 and result["errors"][1] < 1e-6, result["errors"]
+
+
+def test_a_first_step_of_mixed_sp_sizes_is_refused_without_watch():
+    for result in run_in_process_world(_worker, 2, False, True, timeout=300):
+        refused = result["errors"][0]
+        assert isinstance(refused, str) and "head.weight" in refused and "mixed SP sizes [1, 2]" in refused, refused
+        assert "qkv" not in refused
+        assert result["errors"][1] < 1e-6, result["errors"]  # the hooks are on from then on

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from dcp_compile.runtime.graph_parameters import parameters_outside_graphs
+from dcp_compile.runtime.graph_parameters import correct_parameters_outside_graphs
 from dcp_compile.compiler.inspection import explain
 from dcp_compile.compiler.record import ModelRecord
 
@@ -43,6 +43,7 @@ class CheckReport:
     max_output_error: float = 0.0
     max_gradient_error: float = 0.0
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     diverging_module: str | None = None
     record: ModelRecord | None = None
 
@@ -58,6 +59,7 @@ class CheckReport:
         if self.record is not None:
             lines += [f"  {line}" for line in self.record.summary_lines()]
         lines += [f"  {problem}" for problem in self.problems[:20]]
+        lines += [f"  note: {note}" for note in self.notes]
         if self.diverging_module is not None:
             lines.append(f"  first diverging module: {self.diverging_module}")
         return "\n".join(lines)
@@ -145,10 +147,14 @@ def _compare_outputs(report: CheckReport, actual: list[torch.Tensor], expected: 
 
 def _compare_gradients(report: CheckReport, module: nn.Module, reference: nn.Module, group: Any, rtol: float) -> None:
     if report.sp_size > 1:
-        for name in parameters_outside_graphs(module.named_parameters()):
-            report.problems.append(f"gradient of {name}: computed in eager code outside the compiled graphs (a "
-                                   "graph break), in full on every rank: the SP-group sum counts it "
-                                   f"{report.sp_size} times")
+        try:
+            corrected = correct_parameters_outside_graphs(module)
+        except RuntimeError as error:  # ParametersOutsideGraphs
+            report.problems.append(str(error))
+        else:
+            report.notes += [f"gradient of {name}: computed in eager code outside the compiled graphs (a graph "
+                             f"break), in full on every rank; divided by the SP size ({report.sp_size}) as "
+                             "dcp.sync_gradients does" for name in corrected]
     for (name, parameter), (_, expected) in zip(module.named_parameters(), reference.named_parameters()):
         if expected.grad is None and parameter.grad is None:
             continue

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from dcp_compile.runtime.graph_parameters import check_parameters_in_graphs
+from dcp_compile.runtime.graph_parameters import correct_parameters_outside_graphs
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def sync_gradients(
     if dist.get_world_size(group) == 1:
         return
     if isinstance(model_or_params, torch.nn.Module):
-        check_parameters_in_graphs(model_or_params.named_parameters())
+        correct_parameters_outside_graphs(model_or_params)
     gradients: list[torch.Tensor] = []
     for parameter in parameters:
         if parameter.grad is None:

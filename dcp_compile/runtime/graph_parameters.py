@@ -1,11 +1,18 @@
-"""Which parameters the dcp-compiled graphs use, to catch the ones a graph break left in eager code.
+"""Parameters a graph break leaves in eager code: found, and their gradients made exact.
 
 Every rank of an SP group runs the model's *eager* code (whatever Dynamo did not put in a graph:
-the code around a graph break, a frame Dynamo skipped) on the same full tensors, so each rank
-computes the *full* gradient of a parameter used there. The gradient sync sums over the group,
-which is right for the partial gradients of parameters inside the compiled graphs and counts
-those eager parameters P times. Nothing inside the graphs can correct that (the backward of eager
-code never passes through them), so the sync refuses it instead of returning a wrong gradient.
+the code around a graph break, a frame Dynamo skipped) on the same full tensors, and the gradient
+that reaches that code is the full one on every rank (graph inputs all-reduce theirs, graph
+outputs hand back their share scaled by 1/P). So each rank computes the *full* gradient of a
+parameter used there, and the sync's sum over the group, right for the partial gradients of the
+parameters inside the compiled graphs, would count it P times.
+
+The fix is a gradient hook on such a parameter that divides each micro-batch's contribution by
+that micro-batch's SP size (the SP size of the latest compiled call: a micro-batch's backward
+follows its forward). The hooks are installed by the first ``dcp.sync_gradients`` (or
+``dcp.watch_parameters``, to cover the first step as well); on a first step whose micro-batches
+all ran at one SP size the accumulated gradients are divided at the sync instead, and a first step
+of mixed SP sizes without ``watch_parameters`` is refused, naming the parameters.
 """
 
 from __future__ import annotations
@@ -17,24 +24,30 @@ import torch
 
 # id -> weak reference (a WeakSet would compare tensors with ==, which is elementwise)
 _graph_parameters: dict[int, "weakref.ref[torch.nn.Parameter]"] = {}
-_sharded_calls_since_sync = 0
+_watched: dict[int, "weakref.ref[torch.nn.Parameter]"] = {}
+_sp_sizes_since_sync: set[int] = set()
+_current_sp_size = 1
 
 
 def note_graph_call(values: Iterable[object], sp_size: int) -> None:
     """Called by the dispatcher on every call of a compiled graph, with the parameters it takes
     (the same graph serves every layer of a repeated block, each with its own parameters)."""
-    global _sharded_calls_since_sync
-    if sp_size > 1:
-        _sharded_calls_since_sync += 1
+    global _current_sp_size
+    _current_sp_size = sp_size
+    _sp_sizes_since_sync.add(sp_size)
     for value in values:
         reference = _graph_parameters.get(id(value))
         if (reference is None or reference() is not value) and isinstance(value, torch.nn.Parameter):
             _graph_parameters[id(value)] = weakref.ref(value)
 
 
-def _in_graphs(parameter: torch.nn.Parameter) -> bool:
-    reference = _graph_parameters.get(id(parameter))
+def _member(table: dict, parameter: torch.nn.Parameter) -> bool:
+    reference = table.get(id(parameter))
     return reference is not None and reference() is parameter
+
+
+def _is_dtensor(parameter: torch.nn.Parameter) -> bool:
+    return type(parameter.data).__name__ == "DTensor" or type(parameter).__name__ == "DTensor"
 
 
 def parameters_outside_graphs(named: Iterable[tuple[str, torch.nn.Parameter]]) -> list[str]:
@@ -43,31 +56,67 @@ def parameters_outside_graphs(named: Iterable[tuple[str, torch.nn.Parameter]]) -
     Sharded parameters (FSDP2's DTensors) are swapped for unsharded ones during forward, so the
     graphs never see the registered objects: they are not judged here."""
     named = list(named)
-    if any(type(parameter.data).__name__ == "DTensor" or type(parameter).__name__ == "DTensor" for _, parameter in named):
+    if any(_is_dtensor(parameter) for _, parameter in named) or not _graph_parameters:
         return []
-    return [name for name, parameter in named if parameter.grad is not None and not _in_graphs(parameter)]
+    return [name for name, parameter in named if parameter.grad is not None and not _member(_graph_parameters, parameter)]
 
 
 class ParametersOutsideGraphs(RuntimeError):
-    """Parameters got gradients from eager code while SP > 1 variants ran: they would be counted
-    once per rank of the SP group."""
+    """Parameters got full gradients from eager code in a step of mixed SP sizes before their
+    gradient hooks were installed: they cannot be divided exactly afterwards."""
 
 
-def check_parameters_in_graphs(named: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
-    """Raise :class:`ParametersOutsideGraphs` if, since the last sync, SP > 1 variants ran and a
-    parameter has a gradient but was never an input of a dcp-compiled graph; then start over."""
-    global _sharded_calls_since_sync
-    calls, _sharded_calls_since_sync = _sharded_calls_since_sync, 0
-    if not calls or not _graph_parameters:
-        return
+def _hook(parameter: torch.nn.Parameter):
+    reference = weakref.ref(parameter)
+
+    def divide_by_sp_size(gradient: torch.Tensor) -> torch.Tensor | None:
+        owner = reference()
+        if _current_sp_size == 1 or owner is None or _member(_graph_parameters, owner):
+            return None
+        return gradient / _current_sp_size
+
+    return divide_by_sp_size
+
+
+def watch_parameters(model: torch.nn.Module) -> None:
+    """Install the gradient hooks on every trainable parameter of ``model`` (idempotent). A hook
+    divides by the current SP size only for a parameter that no compiled graph uses, so the
+    parameters inside graphs are untouched. ``dcp.sync_gradients`` calls this; call it yourself
+    before the first step when a step mixes SP sizes and the model has graph breaks."""
+    for parameter in model.parameters():
+        if parameter.requires_grad and not _is_dtensor(parameter) and not _member(_watched, parameter):
+            parameter.register_hook(_hook(parameter))
+            _watched[id(parameter)] = weakref.ref(parameter)
+
+
+def correct_parameters_outside_graphs(model: torch.nn.Module) -> list[str]:
+    """Make the gradients of parameters used in eager code exact before the sync; their names.
+
+    Watched parameters were divided as their gradients arrived. Unwatched ones (the first step)
+    are divided now when every compiled call since the last sync ran at one SP size P; with mixed
+    sizes the per-micro-batch split is lost and :class:`ParametersOutsideGraphs` is raised. Either
+    way the hooks are installed for the steps that follow.
+    """
+    sizes = set(_sp_sizes_since_sync)
+    _sp_sizes_since_sync.clear()
+    named = list(model.named_parameters())
     outside = parameters_outside_graphs(named)
-    if outside:
-        shown = ", ".join(outside[:8]) + (f" and {len(outside) - 8} more" if len(outside) > 8 else "")
+    unwatched = [(name, parameter) for name, parameter in named
+                 if name in set(outside) and not _member(_watched, parameter)]
+    watch_parameters(model)
+    if not unwatched or sizes <= {1}:
+        return outside
+    if len(sizes) > 1:
+        shown = ", ".join(name for name, _ in unwatched[:8]) + (f" and {len(unwatched) - 8} more" if len(unwatched) > 8 else "")
         raise ParametersOutsideGraphs(
             f"parameters {shown} got gradients from code outside the graphs the dcp backend compiled "
-            "(a Dynamo graph break left them in eager code). Every rank of an SP group runs that code on "
-            "the full tensors, so summing gradients over the group would count them once per rank. "
-            "Fix: remove the graph break (`torch._dynamo.explain(model)(**inputs)` names it; a "
-            "data-dependent `if tensor:` or a graph break inside a for loop makes Dynamo run the "
-            "whole frame eagerly), or compile with fullgraph=True to be told where it is."
+            f"(a Dynamo graph break left them in eager code) in a step that mixed SP sizes {sorted(sizes)}. "
+            "Every rank of an SP group computes their full gradient, and this first step cannot be split "
+            "per micro-batch any more. Fix: call `dcp.watch_parameters(model)` once before training (it "
+            "divides each micro-batch's share as it arrives), or remove the graph break "
+            "(`torch._dynamo.explain(model)(**inputs)` names it)."
         )
+    (sp_size,) = sizes
+    for _, parameter in unwatched:
+        parameter.grad.div_(sp_size)
+    return outside
