@@ -1,4 +1,5 @@
-"""``python -m dcp_compile demo`` (the project's main job) and ``python -m dcp_compile bench kernels``."""
+"""``python -m dcp_compile demo`` (the project's main job), ``python -m dcp_compile bench kernels`` and
+``python -m dcp_compile inspect SCRIPT.py:FACTORY --sp 2 --out dcp_report.html`` (HTML report)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="benchmarks")
     bench.add_argument("what", choices=["kernels"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
+    inspect = commands.add_parser("inspect", help="write an HTML report of what DCP does to a model (fake process group)")
+    inspect.add_argument("rest", nargs=argparse.REMAINDER, help="SCRIPT.py:FACTORY [--sp 2] [--out dcp_report.html]")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from dcp_compile.demo.training_demo import run_demo
@@ -26,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         from dcp_compile.kernels.benchmark import main as kernels_main
 
         return kernels_main(args.rest) or 0
+    if args.command == "inspect":
+        from dcp_compile.report.cli import main as inspect_main
+
+        return inspect_main(args.rest)
     return 1
 
 

@@ -35,6 +35,8 @@ ROLE_LABELS = {
     "token_set": "token set (MoE counts)",
     "replicated": "no sequence dimension",
 }
+# The graph's placeholders (parameters, buffers, the batch), one collapsed group: a model has hundreds.
+INPUTS = "(graph inputs)"
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_dtensor")
 
 
@@ -143,6 +145,8 @@ def module_tree(graph_record: "GraphRecord", variant: "VariantRecord | None" = N
         if is_collective(node):
             role = "collective"
         path, type_name = module_path(node)
+        if node.op == "placeholder" and not path:
+            path, type_name = INPUTS, "parameters, buffers and inputs"
         _module(root, path, type_name).ops.append(
             OpView(node.name, short_op(node), role, detail, source_line(node.meta.get("stack_trace"))))
     if variant is not None and variant.graph is not None:
