@@ -155,6 +155,71 @@ def shard_batch(ids: torch.Tensor, rank: int, sp_size: int) -> tuple[torch.Tenso
     return ids[:, start:start + chunk], shifted[:, start:start + chunk], start
 
 
+# --------------------------------------------------------------------------- Hugging Face Llama
+LLAMA_INTERMEDIATE = 256
+_HAND_ATTENTION: list = []  # the DistributedAttention the registered HF attention function uses
+
+
+def tiny_llama() -> nn.Module:
+    """``LlamaForCausalLM`` from a random config of the TinyGPT size (nothing downloaded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=LLAMA_INTERMEDIATE,
+                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                         max_position_embeddings=4096, use_cache=False, tie_word_embeddings=False,
+                         attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+class LlamaLoss(nn.Module):
+    """The unchanged model as a user trains it: ``model(input_ids, labels=...).loss``."""
+
+    def __init__(self, llm: nn.Module):
+        super().__init__()
+        self.llm = llm
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.llm(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+
+def _hand_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """HF attention function for hand-written Ulysses: q/k/v ``[B, H, s, D]`` of this rank's chunk."""
+    out = _HAND_ATTENTION[0](query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal=True)
+    return out, None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None  # causal attention over the gathered sequence is is_causal=True inside the all-to-all
+
+
+class HandShardedLlama(nn.Module):
+    """The same Llama run by hand for Ulysses, as a user would with DeepSpeed: each rank feeds its
+    chunk of ids with position ids offset by the chunk start, a registered HF attention function
+    does the all-to-alls, and the loss is the local sum over pre-shifted labels plus one all-reduce."""
+
+    def __init__(self, group: Any, sp_size: int):
+        super().__init__()
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionInterface.register("ulysses_hand", _hand_attention)
+        AttentionMaskInterface.register("ulysses_hand", _no_mask)
+        _HAND_ATTENTION[:] = [DistributedAttention(group, sp_size)]
+        self.group = group
+        self.llm = tiny_llama()
+        self.llm.config._attn_implementation = "ulysses_hand"
+
+    def forward(self, input_ids: torch.Tensor, shifted_labels: torch.Tensor, start: int) -> torch.Tensor:
+        positions = (torch.arange(input_ids.shape[1], device=input_ids.device) + start).expand(input_ids.shape[0], -1)
+        hidden = self.llm.model(input_ids=input_ids, position_ids=positions, use_cache=False).last_hidden_state
+        logits = self.llm.lm_head(hidden).float()
+        local_sum = F.cross_entropy(logits.view(-1, logits.shape[-1]), shifted_labels.reshape(-1),
+                                    ignore_index=-100, reduction="sum")
+        count = (shifted_labels != -100).sum().to(local_sum.dtype)
+        totals = all_reduce(torch.stack([local_sum.detach(), count]), "sum", self.group)
+        return (local_sum + (totals[0] - local_sum.detach())) / totals[1]
+
+
 # --------------------------------------------------------------------------- worker
 def steps_for(cfg: dict, length: int) -> int:
     """``--steps`` at the longest length; shorter (cheaper) lengths get more, up to 4x."""
@@ -188,14 +253,15 @@ def _dcp_backend(options: dict, counter: list) -> Any:
     return compile_graph
 
 
-def _build(kind: str, base: TinyGPT, inner: str, sp_size: int, counter: list) -> tuple[nn.Module, Any]:
+def _build(kind: str, base: nn.Module, inner: str, sp_size: int, counter: list) -> tuple[nn.Module, Any]:
     """(module, compiled callable) for kind in dcp / hand / plain."""
     if kind == "dcp":
         model = copy.deepcopy(base)
         options = {"sp_size": sp_size, "inner": inner}
         return model, torch.compile(model, backend=_dcp_backend(options, counter), dynamic=True)
     if kind == "hand":
-        model = HandShardedGPT(sequence_parallel_group(sp_size), sp_size)
+        hand_class = HandShardedLlama if isinstance(base, LlamaLoss) else HandShardedGPT
+        model = hand_class(sequence_parallel_group(sp_size), sp_size)
         model.load_state_dict(base.state_dict())
         return model, torch.compile(model, backend=_counting(torch._dynamo.lookup_backend(inner), counter), dynamic=True)
     model = copy.deepcopy(base)  # plain: no SP, the inner compiler alone
@@ -230,7 +296,7 @@ def worker(rank: int, world_size: int, cfg: dict) -> dict:
     torch.manual_seed(0)
     sp = world_size
     inner = cfg["inner"]
-    base = TinyGPT(VOCAB, HIDDEN, LAYERS, HEADS)
+    base = LlamaLoss(tiny_llama()) if cfg["model"] == "llama" else TinyGPT(VOCAB, HIDDEN, LAYERS, HEADS)
     out: dict[str, Any] = {"checks": [], "times": {}, "compile": {"dcp": [], "hand": [], "plain": []},
                            "first_call": {}, "graphs": {}, "dcp_record": {}}
 
@@ -336,6 +402,15 @@ def summarize(results: list[dict], cfg: dict) -> tuple[list[dict], dict]:
     return rows, extra
 
 
+def model_description(cfg: dict) -> str:
+    if cfg["model"] == "llama":
+        return (f"Hugging Face `LlamaForCausalLM` from a random config (vocab {VOCAB}, hidden {HIDDEN}, intermediate "
+                f"{LLAMA_INTERMEDIATE}, {LAYERS} layers, {HEADS} heads, SDPA attention, `use_cache=False`); dcp compiles "
+                "`model(input_ids, labels=...).loss` unchanged, the hand-written version registers an HF attention "
+                "function doing DeepSpeed-style all-to-alls and feeds each rank its chunk with offset position ids")
+    return f"TinyGPT (vocab {VOCAB}, hidden {HIDDEN}, {LAYERS} layers, {HEADS} heads)"
+
+
 def machine() -> str:
     return f"{run_description.machine()}, " + "gloo on localhost, 1 thread per rank"
 
@@ -357,7 +432,7 @@ def write(rows: list[dict], extra: dict, cfg: dict, elapsed: float) -> None:
         "# Ulysses overhead: `dcp` backend vs hand-written Ulysses",
         "",
         f"Library at commit {library_version()}. Machine: {machine()}; 1-minute load average {LOAD[0]:.1f} at the start, {LOAD[1]:.1f} at the end. 2-process world, SP=2, inner compiler `{cfg['inner']}`. "
-        f"Model: TinyGPT (vocab {VOCAB}, hidden {HIDDEN}, {LAYERS} layers, {HEADS} heads), batch {cfg['batch']}, fp32. "
+        f"Model: {model_description(cfg)}, batch {cfg['batch']}, fp32. "
         "A step is forward + backward (no optimizer). Steps alternate dcp / hand-written in ABBA order after a "
         f"barrier; a step's time is the slower rank's; timed steps per model: "
         + ", ".join(f"{steps_for(cfg, n)} at {n}" for n in cfg["lengths"]) + f", after {cfg['warmup']} warm-up "
@@ -418,11 +493,15 @@ def commentary(rows: list[dict], extra: dict, cfg: dict) -> list[str]:
         "- Both compiled graphs do the same work: 4 all-to-alls per attention forward (q, k, v, output) and 4 in backward, "
         "of identical sizes, the same local SDPA, one all-reduce of [loss sum, token count]. What dcp adds: the adjoint "
         "of that all-reduce in backward (an all-reduce of a 2-element gradient that is the same on every rank, summed "
-        "and then divided by P again: a synchronisation point that changes nothing), and a few small copies. A first version of this benchmark whose "
-        "hand-written model split q/k/v with `unbind` (a cheaper backward than the original model's permute and "
-        "unpacking) measured dcp/hand = 1.059 (1.008-1.091) at 256 in a quiet period; written as in the original model "
-        "the gap disappears, so that model-code difference weighed more than dcp's extra all-reduce. The per-call dispatcher cost (microseconds, see dispatch_overhead.md) is "
-        "invisible at this scale.")
+        "and then divided by P again: a synchronisation point that changes nothing), and a few small copies. "
+        + ("A first version of this benchmark whose "
+           "hand-written model split q/k/v with `unbind` (a cheaper backward than the original model's permute and "
+           "unpacking) measured dcp/hand = 1.059 (1.008-1.091) at 256 in a quiet period; written as in the original model "
+           "the gap disappears, so that model-code difference weighed more than dcp's extra all-reduce. "
+           if cfg["model"] == "tinygpt" else
+           "Both run Hugging Face's own Llama layers; dcp also runs HF's loss (the label shift on the full sequence, "
+           "then the shard-local cross-entropy), the hand-written model a pre-shifted local loss. ")
+        + "The per-call dispatcher cost (microseconds, see dispatch_overhead.md) is invisible at this scale.")
     lines.append(
         "- Sanity: dcp, hand-written and eager give the same loss to fp32 rounding, and the gradients summed over the SP "
         "group match eager's full-batch gradients (max abs error in the table).")
@@ -445,17 +524,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--compile-repeats", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("--suffix", default="", help="results file suffix, e.g. _inductor")
+    parser.add_argument("--suffix", default=None, help="results file suffix (default: _llama for --model llama)")
+    parser.add_argument("--model", default="tinygpt", choices=["tinygpt", "llama"])
     args = parser.parse_args(argv)
     for length in args.lengths:
         if length % 2:
             parser.error(f"length {length}: the hand-written version needs lengths divisible by the SP size 2")
+    if args.suffix is None:
+        args.suffix = "_llama" if args.model == "llama" else ""
     cfg = dict(vars(args), argv=sys.argv[1:] if argv is None else argv)
     from dcp_compile.testing.process_world import run_in_process_world
 
     LOAD[0] = os.getloadavg()[0]
     start = time.perf_counter()
-    print(f"ulysses_overhead: 2-process gloo world, inner={args.inner}, lengths={args.lengths}", flush=True)
+    print(f"ulysses_overhead: 2-process gloo world, model={args.model}, inner={args.inner}, lengths={args.lengths}", flush=True)
     results = run_in_process_world(worker, 2, cfg, timeout=args.timeout)
     elapsed = time.perf_counter() - start
     LOAD[1] = os.getloadavg()[0]
