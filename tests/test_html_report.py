@@ -56,6 +56,8 @@ def zoo_reports(tmp_path_factory):
             compiled = torch.compile(case.build(), backend="dcp", dynamic=True,
                                      options={"sp_size": 2, "inner": "aot_eager"})
             inputs = case.make_inputs(16)
+            if name == "gpt":  # model(input_ids=ids, labels=ids), as the README calls it (no recompile there)
+                inputs["labels"] = inputs["input_ids"]
             record = dcp.explain(compiled, **inputs)
             path = out / f"report_{name}.html"
             assert record.save_html(str(path)) == str(path)
@@ -334,7 +336,8 @@ def test_the_report_renders_in_headless_chromium(zoo_reports, name, tmp_path):
     assert not console, console  # the page logs nothing: any console line is an error or a warning
     assert 'data-rendered="1"' in dom.stdout  # its script ran to the end
     assert report["record"].summary_lines()[0] in _text(dom.stdout)
-    shot_dir = Path(os.environ.get("DCP_REPORT_SCREENSHOT_DIR") or tmp_path)
+    shot_dir = Path(os.environ.get("DCP_REPORT_SCREENSHOT_DIR") or tmp_path).resolve()
+    shot_dir.mkdir(parents=True, exist_ok=True)
     shot = shot_dir / f"report_{name}.png"
     subprocess.run([*flags, "--window-size=1280,1000", f"--screenshot={shot}", url],
                    capture_output=True, text=True, timeout=120, check=True)

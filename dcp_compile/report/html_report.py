@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 # Modules with more ops than this start collapsed even when they hold a gather (a page stays short).
 _OPEN_LIMIT = 400
+# A top-level module this small starts open, so its layers (``layers.0``, ``layers.1``) are the
+# first thing seen; a 40-layer model's ``blocks`` stays collapsed.
+_OPEN_TOP_LEVEL = 150
 
 
 def save_model_report(record: "ModelRecord", path: str | Path, plans: Sequence[Any] | None = None) -> str:
@@ -156,12 +159,12 @@ def _findings_html(variant: "VariantRecord", sources: dict[str, SourceLine]) -> 
     return "<ul class='findings'>" + "".join(items) + "</ul>"
 
 
-def _module_html(module: ModuleView, top: bool = False) -> str:
+def _module_html(module: ModuleView, top: bool = False, depth: int = 0) -> str:
     ops = "".join(
         f"<span class='op r-{op.role}' title='{html.escape(_op_title(op))}'>{html.escape(op.name)}"
         f" <small>{html.escape(op.op)}</small></span>"
         for op in module.ops)
-    children = "".join(_module_html(child) for child in module.children.values())
+    children = "".join(_module_html(child, depth=depth + 1) for child in module.children.values())
     inner = (f"<div class='ops'>{ops}</div>" if ops else "") + children
     if top:
         return inner
@@ -170,7 +173,8 @@ def _module_html(module: ModuleView, top: bool = False) -> str:
     badge = f"<span class='badge'>{gathered} gathered</span>" if gathered else ""
     count_text = ", ".join(f"{ROLE_LABELS.get(role, role)} {n}" for role, n in sorted(counts.items()))
     type_name = f" <span class='muted'>({html.escape(module.type_name)})</span>" if module.type_name else ""
-    opened = " open" if gathered and module.op_count <= _OPEN_LIMIT else ""
+    small_top_level = depth == 1 and module.op_count <= _OPEN_TOP_LEVEL and module.children
+    opened = " open" if (gathered and module.op_count <= _OPEN_LIMIT) or small_top_level else ""
     return (f"<details class='module'{opened}><summary><b>{html.escape(module.name)}</b>{type_name}"
             f"<span class='count'>{module.op_count} ops: {html.escape(count_text)}</span>{badge}</summary>"
             f"{inner}</details>")
