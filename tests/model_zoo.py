@@ -470,7 +470,8 @@ class JointAttentionBlock(nn.Module):
         super().__init__()
         self.num_heads, self.image_first, self.split, self.image_queries = num_heads, image_first, split, image_queries
         self.image_qkv, self.text_qkv = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, 3 * hidden)
-        self.image_out, self.text_out = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+        self.image_out = nn.Linear(hidden, hidden)
+        self.text_out = None if image_queries else nn.Linear(hidden, hidden)  # text does not query there
         self.image_mlp = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
         self.text_mlp = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
 
