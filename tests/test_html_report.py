@@ -312,6 +312,37 @@ def test_the_cli_loads_a_factory_by_module_name():
         load_factory("model_zoo")
 
 
+HF_FACTORY = """
+import torch
+from model_zoo import tiny_llama
+
+
+def build():
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    return tiny_llama(), {"input_ids": ids, "labels": ids}
+"""
+
+
+@pytest.mark.slow
+def test_the_cli_reports_a_hugging_face_model_by_module_name(zoo_reports, tmp_path, monkeypatch, capsys):
+    """The issue's "done when": a Hugging Face model factory, named as ``module:factory``, gives a
+    report whose first screen says whether DCP shards it (here in-process, on the module's world)."""
+    pytest.importorskip("transformers")
+    from dcp_compile.report.cli import main
+
+    (tmp_path / "hf_factory.py").write_text(textwrap.dedent(HF_FACTORY))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "llama.html"
+    assert main(["hf_factory:build", "--sp", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    page = out.read_text()
+    first = printed.splitlines()[0]
+    assert "sharded 2/2 attention sites" in first
+    assert first in _text(page.split("<div class='toolbar'>", 1)[0])  # on the first screen
+    for index in (0, 1):
+        assert re.search(rf"<summary><b>{index}</b> <span class='muted'>\(LlamaDecoderLayer\)</span>", page)
+
+
 # --- the page in a browser ------------------------------------------------------------------
 
 
