@@ -23,7 +23,9 @@ table.diff { font-family: ui-monospace, monospace; font-size: 11px; border-colla
 table.diff td { padding: 0 4px; vertical-align: top; white-space: pre-wrap; word-break: break-all; }
 table.diff th { background: #eee; }
 .diff_header { background: #f3f3f3; color: #999; text-align: right; }
-td.diff_next { display: none; }
+.diff_next { display: none; }
+table.diff td:not(.diff_header):not(.diff_next) { width: 50%; }
+.diff_header { width: 3em; }
 .diff_add { background: #d4f7d4; }
 .diff_chg { background: #fff2b3; }
 .diff_sub { background: #ffd6d6; }
@@ -40,7 +42,7 @@ def pass_diff_html(record: "PassRecord") -> str:
     if len(before) + len(after) > SIDE_BY_SIDE_MAX_LINES:
         lines = difflib.unified_diff(before, after, "before", "after", n=2, lineterm="")
         return f"<pre class='unified'>{html.escape(chr(10).join(lines))}</pre>"
-    return difflib.HtmlDiff(tabsize=4, wrapcolumn=110).make_table(
+    return difflib.HtmlDiff(tabsize=4).make_table(
         before, after, f"before {record.name}", f"after {record.name}", context=True, numlines=2)
 
 
