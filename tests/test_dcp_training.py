@@ -20,6 +20,7 @@ from dcp_compile.demo.training_demo import collate, run_demo
 from dcp_compile.demo.example_models import TinyGPT
 from dcp_compile.schedule.plan import Schedule, ScheduledMicroBatch
 from dcp_compile.testing.process_world import run_in_process_world
+from dcp_compile.testing.sharding_checks import sharding_problems
 
 WORLD_SIZE = 4
 VOCAB, HIDDEN, LAYERS, HEADS = 64, 32, 2, 4
@@ -123,11 +124,18 @@ def train_rank(rank: int, world_size: int) -> dict:
         gradients.append({name: p.grad.tolist() for name, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    # Parity is not enough: every SP > 1 variant the plans used ran Ulysses on every attention
+    # site, with no fallback and no gather (the explain call itself runs the rank-local SP 1).
+    ids, labels = collate(dataset, [0], torch.device("cpu"))
+    with dcp.use(dcp.Variant(1)):
+        record = dcp.explain(compiled, ids, labels)
     return {
         "gradients": gradients,
         "losses": losses,
         "counts": counts,
         "parameters": {name: p.detach().tolist() for name, p in model.named_parameters()},
+        "sharding_problems": sharding_problems(record, 0),
+        "sharded_sp_sizes": sorted({v.sp_size for v in record.variant_records() if v.sp_size > 1 and v.is_sharded}),
     }
 
 
@@ -179,6 +187,10 @@ def test_dcp_backend_step_equals_mean_token_loss_over_the_global_batch() -> None
     assert [r["counts"] for r in results] == [
         [len(step_plan(step, rank).microbatches) for step in range(len(STEPS))] for rank in range(WORLD_SIZE)
     ]
+    for rank, result in enumerate(results):
+        assert not result["sharding_problems"], (rank, result["sharding_problems"])
+        ran = {sp for step in range(len(STEPS)) for sp in (mb.sp_size for mb in step_plan(step, rank).microbatches) if sp > 1}
+        assert set(result["sharded_sp_sizes"]) == ran, (rank, result["sharded_sp_sizes"], ran)
     # Every rank of an SP group returns the full micro-batch's loss, equal to eager's.
     for rank, result in enumerate(results):
         for step, indices, sp_size, loss in result["losses"]:
