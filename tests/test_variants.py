@@ -9,6 +9,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dcp_compile as dcp
 from dcp_compile.testing.process_world import run_in_process_world
+from dcp_compile.testing.sharding_checks import sharding_problems
 from model_zoo import ZOO
 from parity import compare, compiled_run, eager_reference
 
@@ -36,6 +37,7 @@ def _trace_once_worker(rank, world_size, inner):
     record = dcp.explain(compiled, **case.make_inputs(30))
     assert len(record) == 1, "more than one graph: the model was traced again"
     chosen = {str(v) for v in record[0].variants}
+    problems += sharding_problems(record, 0)  # every SP 2 variant sharded every site, no gather
     if problems:
         raise AssertionError("\n".join(problems))
     return sorted(chosen)
