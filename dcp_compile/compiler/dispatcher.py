@@ -23,6 +23,7 @@ from dcp_compile.compiler.inner_compilers import INNER_COMPILERS, floats_already
 from dcp_compile.compiler.inspection import collecting_records, snapshots_requested
 from dcp_compile.compiler.passes.context import Analysis, PassContext
 from dcp_compile.compiler.passes.pipeline import GraphInput, GraphPass, run_passes
+from dcp_compile.runtime.consistency import check_sp_group_agrees
 from dcp_compile.runtime.graph_parameters import note_graph_call
 from dcp_compile.runtime.process_groups import sp_group
 from dcp_compile.compiler.record import GraphRecord, VariantRecord
@@ -102,6 +103,8 @@ class Dispatcher:
 
     def __call__(self, *args: Any) -> Any:
         variant, reason = self.select(args)
+        if self.options.check_ranks and variant.sp_size > 1:
+            self.check_ranks(variant, reason, args)
         scalars = self.scalars_of(args) if self.analysis.scalar_inputs else ()
         compiled = self.compiled.get((variant, scalars))
         if compiled is None:
@@ -123,6 +126,13 @@ class Dispatcher:
             group = sp_group(variant.sp_size).process_group if variant.sp_size > 1 else None
             check_first_call(self.analysed, variant, args, run, self.analysis.parameter_indices, group)
         return run()
+
+    def check_ranks(self, variant: Variant, reason: str, args: tuple) -> None:
+        """The SP group agrees on the variant and the inputs before any collective (raises on all)."""
+        group = sp_group(variant.sp_size)
+        length = self.read_length(args) if self.read_length is not None else None
+        check_sp_group_agrees(variant, args, group.process_group, group.ranks, graph_id=self.record.graph_id,
+                              length=length, parameter_indices=self.analysis.parameter_indices)
 
     def compile_variant(self, variant: Variant, scalars: tuple[float, ...] = ()) -> Callable:
         start = time.perf_counter()

@@ -20,6 +20,7 @@ class DCPOptions:
     disable_passes: tuple[str, ...] = ()
     debug_dir: str | None = None
     check: bool = False  # compare each variant's first call with the unsharded graph (dcp.check's light form)
+    check_ranks: bool = True  # the SP group agrees on variant and inputs before each call (runtime/consistency.py)
 
     @property
     def valid_names(self) -> list[str]:
@@ -74,4 +75,5 @@ def parse_options(options: dict[str, Any] | None) -> DCPOptions:
         disable_passes=tuple(options.get("disable_passes", ())),
         debug_dir=options.get("debug_dir"),
         check=bool(options.get("check", False)),
+        check_ranks=bool(options.get("check_ranks", True)),
     )

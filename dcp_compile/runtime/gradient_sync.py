@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from dcp_compile.runtime.consistency import check_world_agrees, next_sync_number
 from dcp_compile.runtime.graph_parameters import correct_parameters_outside_graphs
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ def sync_gradients(
     model_or_params: torch.nn.Module | Iterable[torch.nn.Parameter],
     group: dist.ProcessGroup | None = None,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    check_ranks: bool = True,
 ) -> None:
     """SUM-all-reduce the gradients of ``model_or_params`` over ``group`` (default: the world).
 
@@ -53,7 +55,9 @@ def sync_gradients(
     one buffer per device and dtype), all buckets are reduced asynchronously and back-to-back, then
     copied back. Parameters that require grad but have none on this rank get a zero gradient.
     Without an initialised process group (one process) the gradients are already exact and this
-    does nothing.
+    does nothing. ``check_ranks`` first has the ranks agree (one all-gather of three integers, with
+    a bounded wait) on how many syncs they ran and on the parameters, so a restarted rank or one
+    stuck elsewhere gives an error naming ranks instead of a hang or a mis-paired all-reduce.
     """
     parameters = _unique_trainable(model_or_params)
     if not parameters:
@@ -62,6 +66,9 @@ def sync_gradients(
         return
     if dist.get_world_size(group) == 1:
         return
+    if check_ranks:
+        check_world_agrees("sync_gradients", [next_sync_number(), len(parameters), sum(p.numel() for p in parameters)],
+                           ["sync_gradients call", "trainable parameters", "parameter elements"], group)
     if isinstance(model_or_params, torch.nn.Module):
         correct_parameters_outside_graphs(model_or_params)
     gradients: list[torch.Tensor] = []

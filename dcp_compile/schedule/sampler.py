@@ -5,8 +5,10 @@ order into steps of at most ``tokens_per_step`` tokens (a sample longer than tha
 its own; the last, shorter step is kept, never dropped) and plans every step with
 :class:`~dcp_compile.schedule.planner.Planner`. Everything is a pure function of
 ``(seed, epoch, step, lengths)`` and the cost model, so every rank computes the same global plan
-and takes its own share; nothing is negotiated at run time. ``verify_plan=True`` checks that
-promise each step with one small all-gather of a plan digest.
+and takes its own share; nothing is negotiated at run time. ``verify_plan`` (on by default)
+checks that promise each step with one small all-gather of a plan digest, and iterating checks
+first that the world the sampler planned for is the world it runs in (a sampler built before
+``init_process_group`` plans for one rank).
 
 Resuming: ``state_dict()`` records the epoch and the next step to run (a step counts as consumed
 once the iterator has handed it out), so a checkpoint written inside the loop body of step ``k``
@@ -53,7 +55,7 @@ class DataCentricSampler:
         world_size, rank: default to ``torch.distributed``'s, or 1 and 0 when it is not initialised.
         memory_fraction: share of device memory a plan may use.
         verify_plan: all-gather a digest of each step's plan and raise :class:`PlanMismatchError`
-            naming the ranks that disagree.
+            naming the ranks that disagree (default on: one all-gather of one integer per step).
         spans: keys per query of each sample for the cost model (default: its length; see
             :func:`~dcp_compile.schedule.cost_model.video_attention_span`).
         supervised_tokens: tokens that count in each sample's loss (default: its length; a causal
@@ -73,7 +75,7 @@ class DataCentricSampler:
         world_size: int | None = None,
         rank: int | None = None,
         memory_fraction: float = 0.9,
-        verify_plan: bool = False,
+        verify_plan: bool = True,
         *,
         spans: Sequence[float] | None = None,
         supervised_tokens: Sequence[int] | None = None,
@@ -98,6 +100,7 @@ class DataCentricSampler:
             )
         self.tokens_per_step = int(tokens_per_step)
         self.seed = int(seed)
+        self._world_given = world_size is not None
         self.world_size, self.rank = _world_and_rank(world_size, rank)
         self.cost_model = cost_model or CostModel.default(self.world_size)
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -183,6 +186,7 @@ class DataCentricSampler:
         )
 
     def __iter__(self) -> Iterator[StepPlan]:
+        self._check_world()
         epoch = self.epoch
         steps = self.steps(epoch)
         while self._next_step < len(steps) and self.epoch == epoch:
@@ -196,12 +200,32 @@ class DataCentricSampler:
             self.epoch = epoch + 1
             self._next_step = 0
 
+    def _check_world(self) -> None:
+        """The world this sampler planned for is the one it runs in (or no world is initialised)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if (world, rank) == (self.world_size, self.rank):
+            return
+        if not self._world_given and self.world_size == 1:
+            cause = ("it was built before torch.distributed.init_process_group, so it planned for a world of 1 "
+                     "(every rank would train every sample). Build the sampler after init_process_group")
+        else:
+            cause = (f"it was built with world_size={self.world_size}, rank={self.rank}. Build it in the world "
+                     "that runs it (leave world_size and rank unset to take torch.distributed's)")
+        raise ValueError(f"dcp: DataCentricSampler planned for a world of {self.world_size} ranks (as rank "
+                         f"{self.rank}) but runs on rank {rank} of a world of {world}: {cause}")
+
     def _verify(self, plan: StepPlan, num_steps: int) -> None:
         """All-gather a digest of the plan; raise on every rank if any rank disagrees."""
         import torch
         import torch.distributed as dist
 
         if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_backend() == "fake":  # one process standing in for a world: no peers to ask
             return
         payload = f"{plan.plan_hash()}:{num_steps}:{self.world_size}"
         digest = int.from_bytes(hashlib.sha256(payload.encode()).digest()[:7], "little")

@@ -1,0 +1,216 @@
+"""Never silent, never a hang: each way the ranks of a world can disagree, on 2 real gloo ranks.
+
+Every test runs its world under a hard timeout and asserts what *every* rank gets: a clear error
+naming the ranks and what differed, or the correct result. One row of the README's
+"When ranks disagree" table per test.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dcp_compile.testing.process_world import run_in_process_world
+
+SHORT_WAIT = {"DCP_RANK_CHECK_TIMEOUT": "4"}
+VOCAB, WIDTH = 32, 8
+
+
+class TinyAttentionLM(nn.Module):
+    """Token ids in, logits out, one attention: integer inputs the signature digests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        q, k, v = (t.unflatten(-1, (2, 4)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        return self.head(out)
+
+
+def _compiled(**options):
+    torch.manual_seed(0)
+    model = TinyAttentionLM()
+    return model, torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager", **options})
+
+
+def _outcome(fn) -> dict:
+    """Run ``fn`` and report its result or its error (type and message) as plain data."""
+    try:
+        return {"ok": True, "value": fn()}
+    except Exception as error:  # noqa: BLE001 - the test inspects every rank's error
+        return {"ok": False, "type": type(error).__name__, "message": str(error)}
+
+
+# --- an SP group whose ranks pass different batches ------------------------------------------
+
+
+def _batches_differ(rank: int, world_size: int, same_shape: bool, check: bool = True) -> dict:
+    import dcp_compile as dcp
+
+    _, compiled = _compiled(check_ranks=check)
+    generator = torch.Generator().manual_seed(rank)  # the data-loader bug: each rank its own batch
+    length = 37 if (same_shape or rank == 0) else 40
+    ids = torch.randint(0, VOCAB, (2, length), generator=generator)
+    with dcp.use(dcp.Variant(2)):
+        return _outcome(lambda: compiled(ids).sum().item())
+
+
+def test_different_batches_of_one_shape_raise_on_every_rank():
+    for rank, result in enumerate(run_in_process_world(_batches_differ, 2, True, timeout=60, env=SHORT_WAIT)):
+        assert result["type"] == "RankMismatchError", result
+        assert "rank 1 and rank 0: the same shapes, but different integer values" in result["message"], result
+        assert "ranks [0, 1] of one SP group disagree" in result["message"], result
+
+
+def test_different_lengths_raise_naming_each_ranks_length():
+    for result in run_in_process_world(_batches_differ, 2, False, timeout=60, env=SHORT_WAIT):
+        assert result["type"] == "RankMismatchError", result
+        assert "rank 1: length 40" in result["message"] and "rank 0: length 37" in result["message"], result
+
+
+def _same_batch(rank: int, world_size: int, check: bool) -> list[float]:
+    import dcp_compile as dcp
+
+    _, compiled = _compiled(check_ranks=check)
+    ids = torch.randint(0, VOCAB, (2, 37), generator=torch.Generator().manual_seed(0))
+    with dcp.use(dcp.Variant(2)):
+        return compiled(ids).sum().item()
+
+
+def test_agreeing_ranks_pass_the_check_and_match_eager():
+    torch.manual_seed(0)
+    eager = TinyAttentionLM()(torch.randint(0, VOCAB, (2, 37), generator=torch.Generator().manual_seed(0))).sum().item()
+    for checked in (True, False):
+        results = run_in_process_world(_same_batch, 2, checked, timeout=60, env=SHORT_WAIT)
+        assert all(abs(value - eager) < 1e-4 for value in results), (checked, results, eager)
+
+
+# --- ranks disagree on dcp.use's SP size, then sync_gradients ---------------------------------
+
+
+def _sp_sizes_differ(rank: int, world_size: int) -> dict:
+    import dcp_compile as dcp
+
+    model, compiled = _compiled()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        with dcp.use(dcp.Variant(2 if rank == 0 else 1)):
+            compiled(ids).float().pow(2).mean().backward()
+        dcp.sync_gradients(model)
+
+    return _outcome(step)
+
+
+def test_disagreeing_sp_sizes_stop_every_rank_saying_where_each_waits():
+    rank0, rank1 = run_in_process_world(_sp_sizes_differ, 2, timeout=60, env=SHORT_WAIT)
+    for result in (rank0, rank1):
+        assert result["type"] == "RankTimeoutError", result
+        assert "rank 0: waiting in the SP-2 check of graph" in result["message"], result
+        assert "rank 1: waiting in sync_gradients" in result["message"], result
+
+
+# --- sampler rows ------------------------------------------------------------------------------
+
+
+def _cost_model():
+    from dcp_compile.schedule.cost_model import CostModel, ModelProfile
+    from dcp_compile.schedule.hardware import Hardware
+
+    return CostModel(ModelProfile.from_config("llama-3-8b"), Hardware.H200, optimizer_shards=64)
+
+
+LENGTHS = [64 * (1 + i % 7) for i in range(40)]
+
+
+def _per_rank_seeds(rank: int, world_size: int) -> dict:
+    from dcp_compile.schedule.sampler import DataCentricSampler
+
+    sampler = DataCentricSampler(LENGTHS, tokens_per_step=2048, cost_model=_cost_model(), seed=rank)
+    return _outcome(lambda: next(iter(sampler)).plan_hash())
+
+
+def test_per_rank_sampler_seeds_raise_plan_mismatch_by_default():
+    for result in run_in_process_world(_per_rank_seeds, 2, timeout=60):
+        assert result["type"] == "PlanMismatchError", result
+        assert "ranks [1] derived a different plan than ranks [0]" in result["message"], result
+
+
+def _sampler_before_init(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from dcp_compile.schedule.sampler import DataCentricSampler
+
+    dist.barrier()
+    dist.destroy_process_group()  # the user's order: the sampler first, the process group second
+    sampler = DataCentricSampler(LENGTHS, tokens_per_step=2048, cost_model=_cost_model(), seed=0)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    return _outcome(lambda: next(iter(sampler)))
+
+
+def test_sampler_built_before_init_process_group_refuses_to_iterate():
+    for result in run_in_process_world(_sampler_before_init, 2, timeout=60):
+        assert result["type"] == "ValueError", result
+        assert "built before torch.distributed.init_process_group" in result["message"], result
+        assert "planned for a world of 1" in result["message"], result
+
+
+def _plan_for_four(rank: int, world_size: int) -> dict:
+    from dcp_compile.schedule.sampler import DataCentricSampler
+
+    sampler = DataCentricSampler(LENGTHS, tokens_per_step=2048, cost_model=_cost_model(), seed=0,
+                                 world_size=4, rank=rank)
+    return _outcome(lambda: next(iter(sampler)))
+
+
+def test_plan_for_four_ranks_used_on_two_names_both_worlds():
+    for rank, result in enumerate(run_in_process_world(_plan_for_four, 2, timeout=60)):
+        assert result["type"] == "ValueError", result
+        assert f"planned for a world of 4 ranks (as rank {rank}) but runs on rank {rank} of a world of 2" \
+            in result["message"], result
+
+
+# --- faults: a rank fails between forward and backward -----------------------------------------
+
+
+def _rank_fails(rank: int, world_size: int, where: str) -> dict:
+    import dcp_compile as dcp
+    from dcp_compile.runtime.consistency import fault_guard
+
+    model, compiled = _compiled()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        with fault_guard():
+            for micro_batch in range(2):
+                if rank == 1 and where == "oom" and micro_batch == 1:
+                    raise torch.OutOfMemoryError("injected: out of memory in micro-batch 1")
+                with dcp.use(dcp.Variant(2)):
+                    loss = compiled(ids).float().pow(2).mean()
+                if rank == 1 and where == "between":
+                    raise ValueError("injected: the user's code failed between forward and backward")
+                loss.backward()
+            dcp.sync_gradients(model)
+
+    # Rank 1 returns (its process exits, closing its connections) as a crashed rank would; the
+    # process group's store lives on rank 0 here, as torchrun's agent store outlives any rank.
+    return _outcome(step)
+
+
+def test_a_rank_failing_between_forward_and_backward_is_named_by_the_others():
+    rank0, rank1 = run_in_process_world(_rank_fails, 2, "between", timeout=60, env=SHORT_WAIT)
+    assert rank1["type"] == "ValueError", rank1
+    assert rank0["type"] == "PeerFailureError", rank0
+    assert "rank 1 failed with ValueError: injected" in rank0["message"], rank0
+
+
+def test_an_injected_out_of_memory_in_a_micro_batch_is_named_by_the_others():
+    rank0, rank1 = run_in_process_world(_rank_fails, 2, "oom", timeout=60, env=SHORT_WAIT)
+    assert rank1["type"] == "OutOfMemoryError", rank1
+    assert rank0["type"] == "PeerFailureError", rank0
+    assert "rank 1 failed with OutOfMemoryError: injected" in rank0["message"], rank0
