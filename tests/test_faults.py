@@ -115,6 +115,21 @@ def test_disagreeing_sp_sizes_stop_every_rank_saying_where_each_waits():
         assert "rank 1: waiting in sync_gradients" in result["message"], result
 
 
+def _different_models(rank: int, world_size: int) -> dict:
+    import dcp_compile as dcp
+
+    model = nn.Sequential(nn.Linear(4, 4), *([nn.Linear(4, 2)] if rank == 1 else []))
+    model(torch.ones(1, 4)).sum().backward()
+    return _outcome(lambda: dcp.sync_gradients(model))
+
+
+def test_sync_gradients_over_different_models_names_what_differs():
+    for result in run_in_process_world(_different_models, 2, timeout=60, env=SHORT_WAIT):
+        assert result["type"] == "RankMismatchError", result
+        assert "rank 0: trainable parameters 2, parameter elements 20" in result["message"], result
+        assert "rank 1: trainable parameters 4, parameter elements 30" in result["message"], result
+
+
 # --- sampler rows ------------------------------------------------------------------------------
 
 
@@ -214,3 +229,63 @@ def test_an_injected_out_of_memory_in_a_micro_batch_is_named_by_the_others():
     assert rank1["type"] == "OutOfMemoryError", rank1
     assert rank0["type"] == "PeerFailureError", rank0
     assert "rank 1 failed with OutOfMemoryError: injected" in rank0["message"], rank0
+
+
+# --- the README's loop with fault_guard, as written --------------------------------------------
+
+
+def _readme_fault_guard_block() -> str:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## When ranks disagree", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+
+
+class _LossOutput(nn.Module):
+    """Hands the README loop what it expects of a Hugging Face model: an output with ``.loss``."""
+
+    def __init__(self, compiled: nn.Module) -> None:
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(loss=self.compiled(input_ids, labels))
+
+
+def _readme_loop(rank: int, world_size: int, block: str) -> list[float]:
+    import dcp_compile as dcp
+    from dcp_compile.demo.example_models import TinyGPT
+    from dcp_compile.schedule.sampler import DataCentricSampler
+
+    dcp.create_sp_groups()
+    torch.manual_seed(0)
+    model = TinyGPT(VOCAB, 16, 1, 2)
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager"})
+    generator = torch.Generator().manual_seed(0)
+    dataset = [torch.randint(0, VOCAB, (n,), generator=generator) for n in (12, 40, 20, 48, 16, 36)]
+
+    def collate(indices):
+        longest = max(len(dataset[i]) for i in indices)
+        ids = torch.zeros(len(indices), longest, dtype=torch.long)
+        labels = torch.full((len(indices), longest), -100, dtype=torch.long)
+        for row, index in enumerate(indices):
+            ids[row, : len(dataset[index])] = labels[row, : len(dataset[index])] = dataset[index]
+        return {"input_ids": ids, "labels": labels}
+
+    sampler = DataCentricSampler([len(s) for s in dataset], tokens_per_step=96, cost_model=_cost_model(), seed=0,
+                                 max_tokens_per_rank=32, supervised_tokens=[len(s) - 1 for s in dataset])
+    sp_sizes = sorted({group.sp_size for i in range(len(sampler)) for group in sampler.plan(i).groups})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    exec(block, {"dcp": dcp, "sampler": sampler, "model": _LossOutput(compiled), "collate": collate,
+                 "optimizer": optimizer})
+    return {"parameters": [p.detach().sum().item() for p in model.parameters()], "sp_sizes": sp_sizes}
+
+
+def test_the_readme_fault_guard_loop_runs():
+    rank0, rank1 = run_in_process_world(_readme_loop, 2, _readme_fault_guard_block(), timeout=120, env=SHORT_WAIT)
+    assert 2 in rank0["sp_sizes"], rank0  # the SP-group check ran on real SP-2 micro-batches
+    assert rank0["parameters"] == rank1["parameters"]

@@ -154,8 +154,9 @@ def check_sp_group_agrees(variant: Any, args: Sequence[Any], group: Any, ranks: 
                           graph_id: int, length: Any, parameter_indices: Sequence[int] = ()) -> None:
     """Before a compiled call's first collective: the SP group agrees on variant and inputs.
 
-    The signature is eight int64s (graph, variant, call number, a digest of the non-parameter
-    input shapes, a digest of their integer values); one all-gather over the group. Only when
+    The signature is six int64s (graph, a digest of the variant, this group's call number, a
+    digest of the non-parameter input shapes, the attention length, a digest of the integer
+    inputs' values); one all-gather over the group. Only when
     they differ are the readable descriptions exchanged, so every rank raises the same error.
     """
     if group is None or _skipped(group):
