@@ -1058,6 +1058,7 @@ _DIFFUSERS_CASES = [
 # Flux -> Chroma/Bria/...) or heavier compiles; each case takes 0.5-2 minutes on 2 CPU cores.
 QUICK = {  # about a minute each on CI's 2 cores: the rest run after them while the time budget lasts
     "dit", "latte", "wan", "llama-sdpa", "gemma2-eager-nocache",
+    "flux", "mixtral-sdpa-nocache",  # joint text+image attention; MoE dispatch on the rank's own tokens
 }
 
 # Cases with a known sharding gap, by mechanism (see README "Known limitations" and
