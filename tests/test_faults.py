@@ -156,7 +156,7 @@ def test_per_rank_sampler_seeds_raise_plan_mismatch_by_default():
         assert "ranks [1] derived a different plan than ranks [0]" in result["message"], result
 
 
-def _sampler_before_init(rank: int, world_size: int) -> dict:
+def _sampler_before_init(rank: int, world_size: int, rendezvous_file: str) -> dict:
     import torch.distributed as dist
 
     from dcp_compile.schedule.sampler import DataCentricSampler
@@ -164,12 +164,13 @@ def _sampler_before_init(rank: int, world_size: int) -> dict:
     dist.barrier()
     dist.destroy_process_group()  # the user's order: the sampler first, the process group second
     sampler = DataCentricSampler(LENGTHS, tokens_per_step=2048, cost_model=_cost_model(), seed=0)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # A fresh rendezvous (a file, not the old port, which a slower rank may still reach).
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous_file}", rank=rank, world_size=world_size)
     return _outcome(lambda: next(iter(sampler)))
 
 
-def test_sampler_built_before_init_process_group_refuses_to_iterate():
-    for result in run_in_process_world(_sampler_before_init, 2, timeout=60):
+def test_sampler_built_before_init_process_group_refuses_to_iterate(tmp_path):
+    for result in run_in_process_world(_sampler_before_init, 2, str(tmp_path / "rendezvous"), timeout=60):
         assert result["type"] == "ValueError", result
         assert "built before torch.distributed.init_process_group" in result["message"], result
         assert "planned for a world of 1" in result["message"], result

@@ -104,7 +104,7 @@ class Dispatcher:
     def __call__(self, *args: Any) -> Any:
         variant, reason = self.select(args)
         if self.options.check_ranks and variant.sp_size > 1:
-            self.check_ranks(variant, reason, args)
+            self.check_ranks(variant, args)
         scalars = self.scalars_of(args) if self.analysis.scalar_inputs else ()
         compiled = self.compiled.get((variant, scalars))
         if compiled is None:
@@ -127,7 +127,7 @@ class Dispatcher:
             check_first_call(self.analysed, variant, args, run, self.analysis.parameter_indices, group)
         return run()
 
-    def check_ranks(self, variant: Variant, reason: str, args: tuple) -> None:
+    def check_ranks(self, variant: Variant, args: tuple) -> None:
         """The SP group agrees on the variant and the inputs before any collective (raises on all)."""
         group = sp_group(variant.sp_size)
         length = self.read_length(args) if self.read_length is not None else None

@@ -18,12 +18,11 @@ Composing with other wrappers:
 * **DDP**: wrap *every* micro-batch's forward and backward in ``model.no_sync()`` so that DDP does
   not all-reduce (and average) on its own, then call ``sync_gradients(model)`` once per step.
   Under ``no_sync`` DDP only accumulates local gradients, which is what this function expects.
-* **FSDP2** (``fully_shard``): not supported yet. Its reduce-scatter runs inside backward with a
-  mean over the data-parallel group and leaves sharded ``DTensor`` gradients; exact token weighting
-  would need the reduce-scatter to SUM (``set_reduce_scatter_divide_factor(1.0)``) and to run once
-  per step (``set_requires_gradient_sync(False)`` on all but the last micro-batch), which breaks
-  when ranks run different numbers of micro-batches. ``sync_gradients`` raises on DTensor
-  gradients rather than silently mis-weighting them.
+* **FSDP2** (``fully_shard``): shard with ``dcp.shard_model(model)`` and call
+  ``dcp.begin_step(model)`` before each step's first micro-batch; this function then issues one
+  SUM reduce-scatter per step instead (:mod:`dcp_compile.runtime.fsdp`). A model sharded with
+  plain ``fully_shard`` reduces (and averages) inside backward, per micro-batch; its DTensor
+  gradients are refused below rather than silently mis-weighted.
 """
 
 from __future__ import annotations
@@ -59,6 +58,12 @@ def sync_gradients(
     a bounded wait) on how many syncs they ran and on the parameters, so a restarted rank or one
     stuck elsewhere gives an error naming ranks instead of a hang or a mis-paired all-reduce.
     """
+    if isinstance(model_or_params, torch.nn.Module):
+        from dcp_compile.runtime.fsdp import is_fsdp_model, sync_sharded_gradients
+
+        if is_fsdp_model(model_or_params):  # one SUM reduce-scatter instead (dcp.shard_model)
+            sync_sharded_gradients(model_or_params, check_ranks=check_ranks)
+            return
     parameters = _unique_trainable(model_or_params)
     if not parameters:
         return
