@@ -299,7 +299,9 @@ def _timeout_message(ranks: Sequence[int], where: str, timeout: float, error: Ba
     if store is not None:
         try:
             store.set(f"{_STORE_PREFIX}waiting/{rank}", where)
-            deadline = time.monotonic() + min(10.0, timeout)
+            # The others time out too, up to their own arrival skew later: wait for their word a while
+            # (stops as soon as every rank wrote; a dead or silent rank costs the whole grace).
+            deadline = time.monotonic() + min(max(10.0, timeout), 60.0)
             others = [r for r in range(dist.get_world_size()) if r != rank]
             while time.monotonic() < deadline:
                 if store.check([f"{_STORE_PREFIX}waiting/{r}" for r in others]):
