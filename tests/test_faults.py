@@ -7,6 +7,7 @@ naming the ranks and what differed, or the correct result. One row of the README
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -82,12 +83,12 @@ def _same_batch(rank: int, world_size: int, check: bool) -> list[float]:
         return compiled(ids).sum().item()
 
 
-def test_agreeing_ranks_pass_the_check_and_match_eager():
+@pytest.mark.parametrize("checked", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_agreeing_ranks_pass_the_check_and_match_eager(checked):
     torch.manual_seed(0)
     eager = TinyAttentionLM()(torch.randint(0, VOCAB, (2, 37), generator=torch.Generator().manual_seed(0))).sum().item()
-    for checked in (True, False):
-        results = run_in_process_world(_same_batch, 2, checked, timeout=60, env=SHORT_WAIT)
-        assert all(abs(value - eager) < 1e-4 for value in results), (checked, results, eager)
+    results = run_in_process_world(_same_batch, 2, checked, timeout=60, env=SHORT_WAIT)
+    assert all(abs(value - eager) < 1e-4 for value in results), (checked, results, eager)
 
 
 # --- ranks disagree on dcp.use's SP size, then sync_gradients ---------------------------------
