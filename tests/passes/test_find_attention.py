@@ -12,6 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pass_helpers import SDPA, analyse, call_targets
 
+from dcp_compile.compiler.passes.find_attention import sdpa_argument
+
 SOFTMAX = torch.ops.aten.softmax.int
 
 
@@ -61,7 +63,8 @@ def test_handwritten_attention_is_rewritten_into_sdpa():
     targets = call_targets(gm)
     assert targets.count(SDPA) == 1
     assert SOFTMAX not in targets  # the hand-written core is gone, not kept beside the SDPA
-    assert site.mask is not None  # the additive causal mask became SDPA's attn_mask
+    # The additive causal mask, built from sizes alone, went on to become is_causal (causal_masks).
+    assert site.mask is None and sdpa_argument(site.node, "is_causal") is True
 
 
 @pytest.mark.parametrize("style", ["softcap", "where_mask"])

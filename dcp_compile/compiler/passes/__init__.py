@@ -6,6 +6,7 @@ Analysis passes run once per dynamo graph; variant passes run once per variant
 
 from __future__ import annotations
 
+from dcp_compile.compiler.passes.causal_masks import causal_masks_pass
 from dcp_compile.compiler.passes.find_attention import find_attention_pass
 from dcp_compile.compiler.passes.insert_all_to_all import insert_all_to_all_pass
 from dcp_compile.compiler.passes.pipeline import GraphInput, GraphPass, run_passes
@@ -17,6 +18,7 @@ from dcp_compile.compiler.variant_selection import active_sequence_boundaries
 
 ANALYSIS_PASSES: tuple[GraphPass, ...] = (
     GraphPass(find_attention_pass),
+    GraphPass(causal_masks_pass),
     GraphPass(sequence_dims_pass),
 )
 

@@ -28,6 +28,7 @@ class Analysis:
     # with ``.item()``. Variants bake their values (see shard_sequence), and the dispatcher keys
     # compiled variants by them, which is what dynamo's specialize_float would do, scoped to dcp.
     scalar_inputs: tuple[int, ...] = ()
+    causal_mask_sites: list[str] = field(default_factory=list)  # SDPAs whose built mask became is_causal
 
 
 @dataclass
