@@ -148,3 +148,81 @@ def _sync_without_begin_step(rank: int, world_size: int) -> None:
     model = dcp.shard_model(make_model())
     with pytest.raises(RuntimeError, match="begin_step"):
         dcp.sync_gradients(model)
+
+
+# --- the README's FSDP2 + DataLoader loop, as written ------------------------------------------
+
+README_TOKENS_PER_STEP = 96  # the README's 65536 scaled to this dataset, so the epoch has several steps
+
+
+def readme_block() -> str:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("\n## FSDP2\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    assert "tokens_per_step=65536" in block and "AdamW(model.parameters(), lr=1e-4)" in block
+    block = block.replace("AdamW(model.parameters(), lr=1e-4)", f"AdamW(model.parameters(), lr=1e-4, eps={ADAM_EPS})")
+    return block.replace("tokens_per_step=65536", f"tokens_per_step={README_TOKENS_PER_STEP}")
+
+
+def readme_cost_model() -> CostModel:
+    return CostModel(ModelProfile.from_config("llama-3-8b"), Hardware.H200, optimizer_shards=2)
+
+
+def readme_dataset() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(1, VOCAB, (n,), generator=generator) for n in (12, 40, 20, 48, 16, 36, 9, 27, 30, 14)]
+
+
+def readme_collate(samples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    longest = max(len(s) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    labels = torch.full((len(samples), longest), -100, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        ids[row, : len(sample)] = sample
+        labels[row, : len(sample)] = sample
+    return {"input_ids": ids, "labels": labels}
+
+
+def _readme_loop(rank: int, world_size: int, block: str) -> dict:
+    import multiprocessing
+
+    # The process world's ranks are daemon processes, which may not start DataLoader workers;
+    # a torchrun rank is not a daemon.
+    multiprocessing.current_process()._config["daemon"] = False
+    dcp.create_sp_groups()
+    dataset = readme_dataset()
+    namespace = {"dcp": dcp, "torch": torch, "model": make_model(), "dataset": dataset,
+                 "lengths": [len(s) for s in dataset], "collate": readme_collate, "cost_model": readme_cost_model()}
+    exec(block, namespace)
+    return {
+        "steps": namespace["sampler"].epoch,
+        "parameters": {name: p.full_tensor().tolist() for name, p in namespace["model"].named_parameters()},
+    }
+
+
+@pytest.mark.slow
+def test_the_readme_fsdp2_loop_runs_and_trains_the_global_batches() -> None:
+    results = run_in_process_world(_readme_loop, 2, readme_block(), timeout=600)
+    dataset = readme_dataset()
+    steps = dcp.DataCentricSampler([len(s) for s in dataset], tokens_per_step=README_TOKENS_PER_STEP, seed=0,
+                                   cost_model=readme_cost_model(), world_size=2, rank=0).steps(0)
+    assert len(steps) >= 3
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=ADAM_EPS)
+    for indices in steps:
+        batch = readme_collate([dataset[i] for i in indices])
+        model(**batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    # The test swaps the README's AdamW eps (default 1e-8) for 1e-6 (readme_block): with 1e-8 an
+    # element whose gradient is fp32 rounding noise (~1e-9, a different summation order) moves by
+    # about lr per step on either side, which says nothing about the gradients.
+    for rank, result in enumerate(results):
+        assert result["steps"] == 1, "the loop ran one whole epoch"
+        for name, value in model.named_parameters():
+            got = torch.tensor(result["parameters"][name])
+            torch.testing.assert_close(got, value.detach(), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")

@@ -93,6 +93,7 @@ class CallDescription:
     shapes: tuple[tuple[int, ...], ...]
     integer_digests: tuple[int, ...]
     call_index: int
+    scalars: tuple[Any, ...] = ()
 
     def differences(self, other: "CallDescription") -> list[str]:
         """This rank's values of the fields that differ from ``other``, for the error message."""
@@ -105,6 +106,8 @@ class CallDescription:
             out.append(f"input shapes {[tuple(s) for s in self.shapes]}")
         if self.call_index != other.call_index:
             out.append(f"call number {self.call_index} of this group")
+        if self.scalars != other.scalars:
+            out.append(f"integer arguments {list(self.scalars)}")
         if not out and self.integer_digests != other.integer_digests:
             different = [i for i, (a, b) in enumerate(zip(self.integer_digests, other.integer_digests)) if a != b]
             out.append(f"integer inputs {different} hold different values")
@@ -154,9 +157,9 @@ def check_sp_group_agrees(variant: Any, args: Sequence[Any], group: Any, ranks: 
                           graph_id: int, length: Any, parameter_indices: Sequence[int] = ()) -> None:
     """Before a compiled call's first collective: the SP group agrees on variant and inputs.
 
-    The signature is six int64s (graph, a digest of the variant, this group's call number, a
-    digest of the non-parameter input shapes, the attention length, a digest of the integer
-    inputs' values); one all-gather over the group. Only when
+    The signature is six int64s (a zero where the graph id would be, a digest of the variant, this
+    group's call number, a digest of the non-parameter input shapes, the attention length, a
+    digest of the integer tensors' values); one all-gather over the group. Only when
     they differ are the readable descriptions exchanged, so every rank raises the same error.
     """
     if group is None or _skipped(group):
@@ -171,8 +174,12 @@ def check_sp_group_agrees(variant: Any, args: Sequence[Any], group: Any, ranks: 
     others = tuple(a for a in inputs if isinstance(a, (int, float, bool)) and not isinstance(a, torch.Tensor))
     integers = [t for t in tensors if not t.is_floating_point() and not t.is_complex() and t.numel() > 0]
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    # Neither the graph id nor the integer (SymInt) arguments: a rank whose chunk is 1 token long
+    # fails a guard the others pass (PyTorch specialises sizes of 1), so dynamo recompiles there
+    # only, and the same call reaches graph 1 with fresh size symbols on that rank ([2, 7, 7]) and
+    # graph 0 on the others ([2, 7]). Those sizes are the tensors' shapes, which are compared.
     header = torch.tensor([
-        graph_id, _digest(str(variant)), call_index, _digest(repr((shapes, others))),
+        0, _digest(str(variant)), call_index, _digest(repr(shapes)),
         -1 if length is None or length == "-" else int(length),
     ], dtype=torch.int64, device=device)
     if integers:
@@ -187,7 +194,7 @@ def check_sp_group_agrees(variant: Any, args: Sequence[Any], group: Any, ranks: 
     if all(row == rows[0] for row in rows):
         return
     mine = CallDescription(dist.get_rank(), str(variant), length, shapes,
-                           tuple(int(d) for d in digests.tolist()), call_index)
+                           tuple(int(d) for d in digests.tolist()), call_index, others)
     described: list[Any] = [None] * len(ranks)
     dist.all_gather_object(described, mine, group=group)
     raise RankMismatchError(_mismatch_message(described, graph_id))
