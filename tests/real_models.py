@@ -1075,10 +1075,6 @@ KNOWN_GAPS: dict[str, str] = {
     "lumina2": "per-sample caption lengths reach the graph as ints after a graph break; the padded caption buffer "
                "(a constant 26 positions) is sliced at them along the joint sequence (2 gathers, budget 1)",
     "gemma2-eager": "sliding-window KV cache slices the keys by a symbolic window (gathered) with use_cache=True",
-    "gpt2-eager": "a graph break in transformers (logging for config.loss_type) hands logits_to_keep over as a "
-                  "symbolic int; the hidden-state slice it bounds is gathered",
-    "gpt2-sdpa": "a graph break in transformers (logging for config.loss_type) hands logits_to_keep over as a "
-                 "symbolic int; the hidden-state slice it bounds is gathered",
     "bloom-eager": _ALIBI,
     "bloom-eager-nocache": _ALIBI,
     "z_image": "its padding mask (tokens padded to a multiple of 32) is an outer product of positions: gathered "

@@ -19,7 +19,10 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from dcp_compile.compiler.dispatcher import Dispatcher
-from dcp_compile.compiler.graph_capture import capture_aten_graph
+from dcp_compile.compiler.free_integers import (
+    IntegerSpecializations, free_integer_inputs, input_names, specialized_inputs, value_without_guard,
+)
+from dcp_compile.compiler.graph_capture import capture_aten_graph, retrace
 from dcp_compile.compiler.inspection import snapshots_requested
 from dcp_compile.compiler.options import parse_options
 from dcp_compile.compiler.passes import ANALYSIS_PASSES, VARIANT_PASSES, run_passes
@@ -33,7 +36,8 @@ log = logging.getLogger(__name__)
 _graph_ids = itertools.count()
 
 
-def dcp_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Dispatcher:
+def dcp_backend(gm: fx.GraphModule, example_inputs: list[Any],
+                options: dict[str, Any] | None = None) -> Dispatcher | IntegerSpecializations:
     """Dynamo backend entry point (registered as ``"dcp"`` through the package's entry point)."""
     parsed = parse_options(options)
     start = time.perf_counter()
@@ -41,8 +45,31 @@ def dcp_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str
         # Every rank compiles the same graphs in the same order: create the SP groups here, so
         # that ranks choosing different variants later never wait on each other in new_group.
         create_sp_groups(extra_sizes=[b.variant.sp_size for b in parsed.buckets] + [parsed.sp_size or 1])
-    record = GraphRecord(next(_graph_ids))
     aten_gm, fake_inputs, fake_mode = capture_aten_graph(gm, example_inputs)
+    free = free_integer_inputs(fake_inputs)
+    if not free:
+        return analysed_dispatcher(aten_gm, fake_inputs, fake_mode, example_inputs, parsed, start)
+    names = input_names(gm, free)
+
+    def build(values: tuple[int, ...] | None) -> Dispatcher:
+        if values is None:
+            return analysed_dispatcher(aten_gm, fake_inputs, fake_mode, example_inputs, parsed, time.perf_counter())
+        began = time.perf_counter()
+        inputs = specialized_inputs(fake_inputs, free, values)
+        specialised = retrace(fx.Interpreter(aten_gm).run, inputs, fake_mode)
+        return analysed_dispatcher(specialised, inputs, fake_mode, example_inputs, parsed, began,
+                                   specialization=", ".join(f"{n}={v}" for n, v in zip(names, values)))
+
+    specializations = IntegerSpecializations(free, names, build)
+    # Built now, inside dynamo's compile, like a static variant (see analysed_dispatcher).
+    specializations.dispatcher_for(tuple(value_without_guard(example_inputs[i]) for i in free))
+    return specializations
+
+
+def analysed_dispatcher(aten_gm: fx.GraphModule, fake_inputs: list[Any], fake_mode: Any, example_inputs: list[Any],
+                        parsed: Any, start: float, specialization: str | None = None) -> Dispatcher:
+    """Run the analysis passes once on ``aten_gm`` and wrap it in a dispatcher of variants."""
+    record = GraphRecord(next(_graph_ids), specialization=specialization)
     # Parameters' gradients stay partial (summed by the user's gradient sync); other inputs that
     # require grad get their full gradient on every rank (see collectives.replicated_input).
     analysis = Analysis(

@@ -93,12 +93,16 @@ class GraphRecord:
     # ``classification`` and of every variant's gathers, and its nodes carry ``nn_module_stack``
     # and ``stack_trace``, so the HTML report can group ops by module and link to source lines.
     graph: fx.GraphModule | None = None
+    # Integer inputs this graph was compiled for (``L_logits_to_keep_=0``), see free_integers.
+    specialization: str | None = None
 
     def variant(self, key: Any) -> VariantRecord:
         return self.variants[key]
 
     def __str__(self) -> str:
         lines = [f"DCP graph {self.graph_id}"]
+        if self.specialization:
+            lines.append(f"  compiled for the integer inputs {self.specialization}")
         lines.append(f"  sequence length: {self.sequence_length or 'none (no attention found)'}")
         lines.append(f"  attention sites: {len(self.attention_sites)}")
         lines += [f"    {site}" for site in self.attention_sites]
