@@ -21,6 +21,7 @@ import torch.fx as fx
 from dcp_compile.compiler.options import DCPOptions
 from dcp_compile.compiler.inner_compilers import INNER_COMPILERS, floats_already_specialized
 from dcp_compile.compiler.inspection import collecting_records, snapshots_requested
+from dcp_compile.compiler.key_value_outputs import warn_once_if_key_values_returned
 from dcp_compile.compiler.passes.context import Analysis, PassContext
 from dcp_compile.compiler.passes.pipeline import GraphInput, GraphPass, run_passes
 from dcp_compile.runtime.consistency import check_sp_group_agrees
@@ -139,6 +140,8 @@ class Dispatcher:
         if (variant, scalars) != (variant, ()) and any(key[0] == variant for key in self.compiled):
             log.warning("dcp: graph %d variant %s recompiles for new values of its float inputs %s "
                         "(a float attribute of the model changed)", self.record.graph_id, variant, scalars)
+        warn_once_if_key_values_returned(self.analysed, self.analysis.attention_sites, self.record.graph_id,
+                                         variant.sp_size)
         group = sp_group(variant.sp_size)
         variant_record = VariantRecord(variant, attention_sites=len(self.analysis.attention_sites))
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
