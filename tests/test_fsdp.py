@@ -226,3 +226,33 @@ def test_the_readme_fsdp2_loop_runs_and_trains_the_global_batches() -> None:
             got = torch.tensor(result["parameters"][name])
             torch.testing.assert_close(got, value.detach(), rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+# --- which modules dcp.shard_model shards -------------------------------------------------------
+
+
+class _BlockWithInnerList(torch.nn.Module):
+    """Like diffusers' attention: an output projection kept as a ModuleList inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.to_out = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Dropout(0.0)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.to_out[1](self.to_out[0](x))
+
+
+def _shard_nested_lists(rank: int, world_size: int) -> list[str]:
+    from dcp_compile.runtime.fsdp import fsdp_modules
+
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([_BlockWithInnerList(), _BlockWithInnerList()])
+    dcp.shard_model(model)
+    names = {id(module): name for name, module in model.named_modules()}
+    return [names[id(module)] for module in fsdp_modules(model)]
+
+
+def test_shard_model_shards_the_outermost_blocks_not_lists_inside_them() -> None:
+    # Sharding blocks.0.to_out.0 after blocks.0 met DTensor parameters: fully_shard took them for
+    # tensor parallelism and raised (a diffusers Wan transformer could not be sharded).
+    assert run_in_process_world(_shard_nested_lists, 1, timeout=120) == [["", "blocks.0", "blocks.1"]]

@@ -61,8 +61,9 @@ class _ShardedGradient:
 def shard_model(model: nn.Module, mesh=None, blocks: list[nn.Module] | None = None, **fully_shard_kwargs) -> nn.Module:
     """Shard ``model`` with FSDP2 for data-centric steps (see the module docstring); returns it.
 
-    ``blocks`` are the modules to shard one by one (default: every element of every
-    ``nn.ModuleList``, i.e. a transformer's layers); the root gets the remaining parameters.
+    ``blocks`` are the modules to shard one by one (default: every element of every outermost
+    ``nn.ModuleList``, i.e. a transformer's layers, not lists inside them); the root gets the
+    remaining parameters.
     ``mesh`` is a 1-D ``DeviceMesh`` over the ranks to shard over (default: the world).
     Extra keyword arguments (e.g. ``mp_policy``) go to ``fully_shard``; ``reshard_after_forward``
     is always ``False``. Compile the sharded model afterwards, as usual.
@@ -73,7 +74,7 @@ def shard_model(model: nn.Module, mesh=None, blocks: list[nn.Module] | None = No
         raise ValueError("dcp.shard_model keeps parameters unsharded through the step; "
                          "reshard_after_forward cannot be set")
     if blocks is None:
-        blocks = [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
+        blocks = _outermost_list_elements(model)
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=False, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, **fully_shard_kwargs)
@@ -81,6 +82,26 @@ def shard_model(model: nn.Module, mesh=None, blocks: list[nn.Module] | None = No
     model.set_reshard_after_backward(False, recurse=True)
     setattr(model, _STEP_OPEN, False)
     return model
+
+
+def _outermost_list_elements(model: nn.Module) -> list[nn.Module]:
+    """Every element of every ``nn.ModuleList`` that is not inside another such element.
+
+    A block often holds lists of its own (diffusers' attention keeps ``to_out`` as a
+    ``ModuleList``); sharding those after their block would meet parameters that are already
+    ``DTensor`` s, which ``fully_shard`` takes for tensor parallelism and refuses.
+    """
+    blocks: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, nn.ModuleList):
+                blocks.extend(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return blocks
 
 
 def _root(model: nn.Module) -> nn.Module:
