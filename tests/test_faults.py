@@ -233,6 +233,93 @@ def test_an_injected_out_of_memory_in_a_micro_batch_is_named_by_the_others():
     assert "rank 1 failed with OutOfMemoryError: injected" in rank0["message"], rank0
 
 
+# --- Hugging Face rows: padded batches of changing size, use_cache=True ------------------------
+
+
+def _tiny_llama(**config):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=0,
+        attn_implementation="sdpa", **config,
+    ))
+
+
+def _padded_batch(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
+    """A tokenizer's padded batch: right padding, attention_mask, labels -100 on the padding."""
+    longest = max(lengths)
+    ids = torch.randint(2, 64, (len(lengths), longest), generator=torch.Generator().manual_seed(seed))
+    mask = (torch.arange(longest) < torch.tensor(lengths)[:, None]).long()
+    return {"input_ids": ids * mask, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+PADDED_BATCHES = [[20], [20, 13, 7]]  # a batch of size 1 (dynamo specializes it), then of size 3
+
+
+def _padded_batches(rank: int, world_size: int) -> dict:
+    import dcp_compile as dcp
+
+    model = _tiny_llama(use_cache=False)
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager"})
+    losses, summaries = [], []
+    for seed, lengths in enumerate(PADDED_BATCHES):
+        batch = _padded_batch(lengths, seed)
+        losses.append(compiled(**batch).loss.item())
+        record = dcp.explain(compiled, **batch)
+        summaries += [{"sharded": len(v.sharded_sites), "sites": v.attention_sites, "gathers": len(v.gathers),
+                       "fallback": v.fallback_reason} for graph in record.graphs for v in graph.variants.values()]
+    return {"losses": losses, "variants": summaries}
+
+
+def test_padded_hugging_face_batches_of_size_one_then_three_stay_sharded_and_exact():
+    model = _tiny_llama(use_cache=False)
+    eager = [model(**_padded_batch(lengths, seed)).loss.item() for seed, lengths in enumerate(PADDED_BATCHES)]
+    for rank, result in enumerate(run_in_process_world(_padded_batches, 2, timeout=120)):
+        torch.testing.assert_close(result["losses"], eager, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
+        assert len(result["variants"]) >= 2, result  # the size-1 graph and the dynamic-batch one
+        for variant in result["variants"]:
+            assert variant["fallback"] is None and variant["gathers"] == 0, (rank, variant)
+            assert variant["sharded"] == variant["sites"] == 2, (rank, variant)
+
+
+def _explain_llama(use_cache: bool | None):
+    import dcp_compile as dcp
+
+    model = _tiny_llama(**({} if use_cache is None else {"use_cache": use_cache}))
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager", "sp_size": 2})
+    ids = torch.randint(0, 64, (2, 24))
+    return dcp.explain(compiled, input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize("use_cache", [None, False], ids=["default", "off"])
+def test_use_cache_true_warns_once_naming_use_cache_false(fake_world, monkeypatch, caplog, use_cache):
+    """Graph structure on a fake 2-rank group: the K/V cache outputs are gathered to the full
+    sequence on every rank after each SP 2 call; the attention itself stays sharded."""
+    import logging
+
+    import dcp_compile as dcp
+    from dcp_compile.compiler import key_value_outputs
+
+    monkeypatch.setattr(key_value_outputs, "_warned", False)
+    caplog.set_level(logging.WARNING, logger="dcp_compile")
+    record = _explain_llama(use_cache)
+    variant = record.graphs[0].variants[dcp.Variant(2)]
+    assert len(variant.sharded_sites) == 2 and not variant.gathers, str(record)
+    warnings = [r for r in caplog.records if "use_cache=False" in r.getMessage()]
+    if use_cache is False:
+        assert not warnings, [r.getMessage() for r in warnings]
+        return
+    # transformers' default: 2 layers x (K, V) returned in the cache.
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    assert "returns 4 attention key/value tensors" in warnings[0].getMessage()
+    assert warnings[0].exc_info is None  # one line, not a traceback
+    torch._dynamo.reset()
+    _explain_llama(None)  # a second model in the same process: no second warning
+    assert len([r for r in caplog.records if "use_cache=False" in r.getMessage()]) == 1
+
+
 # --- the README's loop with fault_guard, as written --------------------------------------------
 
 
