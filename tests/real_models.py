@@ -1074,7 +1074,6 @@ KNOWN_GAPS: dict[str, str] = {
     "cogvideox": "a sin-cos position table built from numpy inside forward is a real tensor in the fake re-trace",
     "lumina2": "per-sample caption lengths reach the graph as ints after a graph break; the padded caption buffer "
                "(a constant 26 positions) is sliced at them along the joint sequence (2 gathers, budget 1)",
-    "gemma2-eager": "sliding-window KV cache slices the keys by a symbolic window (gathered) with use_cache=True",
     "bloom-eager": _ALIBI,
     "bloom-eager-nocache": _ALIBI,
     "z_image": "its padding mask (tokens padded to a multiple of 32) is an outer product of positions: gathered "

@@ -167,6 +167,25 @@ def _replay_order(node: fx.Node, full: dict, chunk: dict, limit: int) -> list[fx
     return order if visit(node) else None
 
 
+# Ops that only select or re-lay out their one tensor input (no arithmetic): a chain of them ending
+# at the graph's outputs is a returned view of a value, e.g. a sliding-window K/V cache.
+OUTPUT_TAIL_OPS = frozenset({
+    aten.slice.Tensor, aten.narrow.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+    aten.transpose.int, aten.permute.default, aten.clone.default, aten.alias.default, aten.detach.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.contiguous.default,
+})
+
+
+def _output_tail(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes of :data:`OUTPUT_TAIL_OPS` whose every use is the output or another such node."""
+    tail: set[fx.Node] = set()
+    for node in reversed(gm.graph.nodes):
+        if (node.op == "call_function" and node.target in OUTPUT_TAIL_OPS and node.users
+                and all(user.op == "output" or user in tail for user in node.users)):
+            tail.add(node)
+    return tail
+
+
 class ShardingInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, ctx: PassContext, analysis: SequenceAnalysis, plan: ShardPlan):
         super().__init__(gm)
@@ -182,6 +201,8 @@ class ShardingInterpreter(fx.Interpreter):
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         self.scalar_values = {placeholders[i]: value for i, value in ctx.scalar_values.items()}
         self.local_fallbacks: list[str] = []  # sharded ops run on gathered inputs instead
+        self.output_tail = _output_tail(gm)
+        self.unsummed: set[fx.Node] = set()  # full values whose gradient reaches chunks unsummed
         self.replayed = 0
         self.current: fx.Node | None = None  # chunked ops also replayed on full values instead of a gather
         self.sharded_sites: list[str] = []
@@ -277,6 +298,10 @@ class ShardingInterpreter(fx.Interpreter):
         if replayed is not None:
             return replayed
         value = self.chunk[node]
+        if consumer is not None and consumer in self.output_tail and _is_tensor(value) and self.sp_size > 1:
+            seq = self._seq_of(node)
+            if seq.plain:
+                return self._gathered_for_output(node, value, seq, consumer)
         if isinstance(value, (tuple, list)):
             gathered = type(value)(
                 self._gather(v, self._seq_of(node, i)) if _is_tensor(v) and self.analysis.dims_of(node, i) else v
@@ -290,6 +315,30 @@ class ShardingInterpreter(fx.Interpreter):
             self.gathers.append(record)
             log.info("dcp: %s", record)
         return gathered
+
+    def _gathered_for_output(self, node: fx.Node, local: torch.Tensor, seq: SequenceDim, consumer: fx.Node) -> Any:
+        """``node`` in full for a consumer whose result is only reshaped into graph outputs.
+
+        A sliding-window K/V cache keeps ``keys[:, :, -window:]`` of each layer and returns it:
+        a slice along the sequence, so it needs the full keys, but only to hand them back, like
+        a returned full cache. It is gathered the way an output is (outside autograd, its
+        gradient handed to this rank's chunk without a sum over ranks) and counted as an output
+        gather, not as a gather the computation needs. Not cached: a computing consumer of the
+        same value gets its own, summed gather.
+        """
+        full = self._gather(local.detach(), seq)
+        self.output_gathers += 1
+        self.unsummed.add(consumer)
+        if not local.requires_grad:
+            return full
+        return collectives.replicated_output(full, local, seq.dim, chunk_start(self.length, self.sp_size, self.rank))
+
+    def _is_unsummed(self, node: fx.Node) -> bool:
+        while node in self.output_tail:
+            if node in self.unsummed:
+                return True
+            node = node.args[0]
+        return False
 
     def _replay_full(self, node: fx.Node) -> Any:
         """The full value of a chunked ``node``, recomputed from full values instead of gathered.
@@ -635,7 +684,7 @@ class ShardingInterpreter(fx.Interpreter):
                 return node
             if node in self.full:
                 value = self.full[node]
-                if _is_tensor(value) and value.requires_grad and self.sp_size > 1:
+                if _is_tensor(value) and value.requires_grad and self.sp_size > 1 and not self._is_unsummed(node):
                     return collectives.scale_gradient(value, scale)
                 return value
             local = self.chunk[node]
