@@ -22,6 +22,7 @@ from dcp_compile.compiler.options import DCPOptions
 from dcp_compile.compiler.inner_compilers import INNER_COMPILERS, floats_already_specialized
 from dcp_compile.compiler.inspection import collecting_records, snapshots_requested
 from dcp_compile.compiler.key_value_outputs import warn_once_if_key_values_returned
+from dcp_compile.compiler.progress import CompiledVariant, report_compiled
 from dcp_compile.compiler.passes.context import Analysis, PassContext
 from dcp_compile.compiler.passes.pipeline import GraphInput, GraphPass, run_passes
 from dcp_compile.runtime.consistency import check_sp_group_agrees
@@ -175,8 +176,8 @@ class Dispatcher:
             compiled = inner(gm, ctx.fake_inputs, variant_record)
         self.compiled[(variant, scalars)] = compiled
         variant_record.compile_seconds = time.perf_counter() - start
-        log.info("dcp: graph %d variant %s compiled in %.2fs (%s)", self.record.graph_id, variant,
-                 variant_record.compile_seconds, self.options.inner)
+        report_compiled(CompiledVariant(self.record.graph_id, str(variant), variant_record.compile_seconds,
+                                        self.options.inner))
         return compiled
 
 

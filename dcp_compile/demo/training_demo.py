@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 import dcp_compile as dcp
+from dcp_compile.compiler.progress import compile_progress
 from dcp_compile.demo.example_models import TinyGPT
 
 VOCAB = 512
@@ -406,7 +407,7 @@ def warm_up(compiled, model: torch.nn.Module, variants: Sequence[dcp.Variant], d
     # of another tensor, or the same tensor passed twice, would trace again later).
     samples = [torch.randint(1, VOCAB, (WARMUP_LENGTH // 2 + n,), generator=generator) for n in range(2)]
     packed = pack(samples, range(len(samples)), device)
-    for variant in variants:
+    for variant in compile_progress(variants):
         packed_loss(compiled, variant, packed).backward()
     model.zero_grad(set_to_none=True)
 

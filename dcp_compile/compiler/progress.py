@@ -1,0 +1,84 @@
+"""What a user sees while variants compile: one line per variant, and a bar over a warm-up.
+
+A first compile takes from seconds to minutes (one per SP size and recompute policy), and silence
+that long looks like a hang. Each compiled variant is logged at INFO on this module's logger (so
+``TORCH_LOGS="+dcp_compile"`` and the user's own logging config show it, with compile ids), and,
+when no logging is set up to show INFO, also printed as one line on stderr, by rank 0 only (every
+rank compiles the same variants, so N copies would say nothing more). ``DCP_PROGRESS=0`` silences
+the print and the bar; the log record stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_active_bar: Any = None  # the warm-up's tqdm bar while one is drawn: lines go above it, not through it
+
+
+@dataclass(frozen=True)
+class CompiledVariant:
+    """One variant of one graph, compiled: what the progress line says."""
+
+    graph_id: int
+    variant: str
+    seconds: float
+    inner: str
+
+    def line(self) -> str:
+        return f"dcp: compiled graph {self.graph_id} variant {self.variant} in {self.seconds:.1f}s ({self.inner})"
+
+
+def _is_rank_zero() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def shows_progress() -> bool:
+    """True on rank 0 unless ``DCP_PROGRESS=0``."""
+    return os.environ.get("DCP_PROGRESS", "1") != "0" and _is_rank_zero()
+
+
+def report_compiled(event: CompiledVariant) -> None:
+    """Log the line at INFO; print it too when logging would not show it (the default)."""
+    log.info("%s", event.line())
+    if (log.isEnabledFor(logging.INFO) and log.hasHandlers()) or not shows_progress():
+        return
+    if _active_bar is not None:
+        _active_bar.write(event.line(), file=sys.stderr)
+    else:
+        print(event.line(), file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _bar(total: int, description: str) -> Iterator[Any]:
+    global _active_bar
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=description, unit="variant", file=sys.stderr, disable=not shows_progress(),
+               leave=False)
+    previous, _active_bar = _active_bar, (bar if not bar.disable else None)
+    try:
+        yield bar
+    finally:
+        _active_bar = previous
+        bar.close()
+
+
+def compile_progress(items: Iterable[T], description: str = "dcp: compiling variants") -> Iterator[T]:
+    """Iterate ``items`` (the variants a warm-up compiles up front) under a progress bar on rank 0;
+    each variant's line is printed above the bar."""
+    items = list(items)
+    with _bar(len(items), description) as bar:
+        for item in items:
+            yield item
+            bar.update(1)
