@@ -7,12 +7,24 @@ import argparse
 import sys
 
 
+def positive_int(text: str) -> int:
+    """An argparse type for counts: 0 steps or 0 processes would run nothing (or divide by zero
+    minutes later), so it is refused at once, with the value and the rule."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dcp_compile", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a small GPT on variable-length data with backend='dcp'")
-    demo.add_argument("--world-size", type=int, default=2, help="local gloo processes to spawn (ignored under torchrun)")
-    demo.add_argument("--steps", type=int, default=6)
+    demo.add_argument("--world-size", type=positive_int, default=2, help="local gloo processes to spawn (ignored under torchrun)")
+    demo.add_argument("--steps", type=positive_int, default=6, help="training steps to time (at least 1)")
     demo.add_argument("--inner", default="aot_eager", choices=["inductor", "aot_eager", "eager"])
     demo.add_argument("--seed", type=int, default=0)
     bench = commands.add_parser("bench", help="benchmarks")
