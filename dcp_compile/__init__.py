@@ -63,6 +63,14 @@ _EXPORTS = {
     "PackedBatch": "dcp_compile.runtime.packing",
     "pack_sequences": "dcp_compile.runtime.packing",
     "create_sp_groups": "dcp_compile.runtime.process_groups",
+    # Errors a training loop may catch (each names the problem and the fix in its message).
+    "RankMismatchError": "dcp_compile.runtime.consistency",
+    "RankTimeoutError": "dcp_compile.runtime.consistency",
+    "PeerFailureError": "dcp_compile.runtime.consistency",
+    "fault_guard": "dcp_compile.runtime.consistency",
+    "ParametersOutsideGraphs": "dcp_compile.runtime.graph_parameters",
+    "CheckFailed": "dcp_compile.compiler.self_check",
+    "CannotPack": "dcp_compile.compiler.passes.use_varlen_attention",
 }
 _SUBPACKAGES = {"compiler", "kernels", "schedule", "runtime", "huggingface"}
 
