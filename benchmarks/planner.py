@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from dcp_compile.schedule.published_schedulers import make_baselines
 from dcp_compile.schedule.cost_model import CostModel, ModelProfile, video_attention_span
 from dcp_compile.schedule.hardware import Hardware
+from dcp_compile.schedule.published_accounting import published_tokens
 from dcp_compile.schedule.planner import Planner
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -49,6 +50,9 @@ class Workload:
     lengths: list[int]
     spans: list[float] | None
     description: str
+    # Tokens per sample as the published benchmark counts them (latent positions for video, see
+    # dcp_compile.schedule.published_accounting); None: the same as ``lengths``.
+    reported_tokens: list[int] | None = None
 
 
 def video_shape(resolution: str, frames: int) -> tuple[int, int, int]:
@@ -74,16 +78,17 @@ def opensora_workload(name: str, image_multiple: float, num_videos: int = 2000, 
     images = [(r, 1) for r in RESOLUTIONS]
     counts = _zipf_counts(videos, num_videos)
     counts.update(_zipf_counts(images, int(image_multiple * num_videos)))
-    lengths, spans = [], []
+    lengths, spans, reported = [], [], []
     for bucket, count in counts.items():
         frames, height, width = video_shape(*bucket)
         lengths += [frames * height * width] * count
         spans += [video_attention_span(frames, height, width)] * count
+        reported += [published_tokens(bucket[1], *RESOLUTIONS[bucket[0]])] * count
     order = list(range(len(lengths)))
     random.Random(seed).shuffle(order)
     return Workload(
         name, "stdit3-xl/2", [lengths[i] for i in order], [spans[i] for i in order],
-        f"Open-Sora buckets, {num_videos} videos + {image_multiple:g}x images",
+        f"Open-Sora buckets, {num_videos} videos + {image_multiple:g}x images", [reported[i] for i in order],
     )
 
 

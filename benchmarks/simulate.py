@@ -33,6 +33,7 @@ from planner import RESULTS, Workload, cost_model_for, markdown_table, opensora_
 
 from dcp_compile.schedule.cost_model import CostModel, ModelProfile  # noqa: E402
 from dcp_compile.schedule.hardware import Hardware  # noqa: E402
+from dcp_compile.schedule.measured_efficiency import stack_slowdown, with_stack_slowdown  # noqa: E402
 from dcp_compile.schedule.published_schedulers import (  # noqa: E402
     BucketParallelScheduler,
     DCPInterScheduler,
@@ -132,32 +133,68 @@ PUBLISHED_M_TOKENS_PER_S = {
 IMAGE_MULTIPLES = {"video short-dominated": 16, "video balanced": 2, "video long-dominated": 0}
 
 
+def published_cost_model() -> CostModel:
+    """The cost model of the published setting: STDiT3-XL/2 on H100 with ZeRO-1 over 32 ranks, its
+    compute terms slowed down by what Open-Sora's own stack measures (``measured_efficiency``:
+    independent published throughputs of the model family, not the DCP figures)."""
+    model = CostModel(ModelProfile.from_config("stdit3-xl/2"), Hardware.H100, optimizer_shards=WORLD_SIZE)
+    return with_stack_slowdown(model, stack_slowdown())
+
+
 def published_setting(distribution: str, num_videos: int = 20000) -> dict[str, dict[str, float]]:
     """Each published scheduler at its own batch on the published setting, M tokens/s.
 
-    Accounting: one epoch of the Zipf mix (``num_videos`` videos: ten times the published 2000 so
-    the ragged last rounds of DCP-inter's 15+ accumulation steps weigh like a steady state), each
-    scheduler's own rounds, every round ends in a gradient sync (ring all-reduce of the bf16
-    parameters) that all ranks wait for. ``utilisation``: busy GPU-seconds over 32 x wall time.
+    Accounting, as the published benchmark measures: one epoch of the Zipf mix (``num_videos``
+    videos: ten times the published 2000 so ragged rounds weigh like a steady state) with the
+    benchmark configs' ``drop_last`` (bucket tails and rounds that cannot be filled are discarded,
+    neither trained nor counted); each scheduler's own rounds, every round ends in a gradient sync
+    (ring all-reduce of the bf16 parameters) that all ranks wait for; tokens counted as the
+    published loop counts them, latent positions before the 2x2 patch (``published_accounting``).
+    ``utilisation``: busy GPU-seconds over 32 x wall time.
     """
     workload = opensora_workload(distribution, IMAGE_MULTIPLES[distribution], num_videos=num_videos)
-    cost_model = CostModel(ModelProfile.from_config("stdit3-xl/2"), Hardware.H100, optimizer_shards=WORLD_SIZE)
+    cost_model = published_cost_model()
     sync = cost_model.hardware.all_reduce_seconds(cost_model.profile.parameter_bytes, WORLD_SIZE)
-    tokens = sum(workload.lengths)
     out = {}
     for scheduler in (
-        BucketParallelScheduler(cost_model, WORLD_SIZE, max(workload.lengths), sp_size=4),
-        DCPInterScheduler(cost_model, WORLD_SIZE, max_accumulation=5, min_accumulation=15, pyramid_recompute=True),
+        BucketParallelScheduler(cost_model, WORLD_SIZE, max(workload.lengths), sp_size=4, drop_last=True),
+        DCPInterScheduler(cost_model, WORLD_SIZE, max_accumulation=5, min_accumulation=15, pyramid_recompute=True,
+                          drop_last=True),
     ):
         schedule = scheduler.schedule(workload.lengths, workload.spans)
         schedule.validate(len(workload.lengths))
         rounds = len({microbatch.round for microbatch in schedule.microbatches})
         seconds = schedule.synchronised_makespan + rounds * sync
         busy = sum(m.predicted_time * m.sp_size for m in schedule.microbatches)
+        trained = schedule.positions()
         out[scheduler.name] = {
-            "m_tokens_per_s": tokens / seconds / 1e6, "utilisation": busy / (WORLD_SIZE * seconds), "rounds": rounds,
+            "m_tokens_per_s": sum(workload.reported_tokens[p] for p in trained) / seconds / 1e6,
+            "m_transformer_tokens_per_s": sum(workload.lengths[p] for p in trained) / seconds / 1e6,
+            "utilisation": busy / (WORLD_SIZE * seconds), "rounds": rounds,
+            "trained_fraction": len(trained) / len(workload.lengths),
         }
     return out
+
+
+def within_published(simulated: float, published: float, tolerance: float = 0.25) -> bool:
+    """Whether a simulated figure is within ``tolerance`` (relative) of the published one."""
+    return abs(simulated / published - 1) <= tolerance
+
+
+def _cell(calibration: dict, distribution: str, scheduler: str) -> str:
+    ours = calibration[distribution][scheduler]["m_tokens_per_s"]
+    published = PUBLISHED_M_TOKENS_PER_S[distribution][scheduler]
+    mark = "" if within_published(ours, published) else " (out of reach)"
+    return f"{ours:.2f} ({ours / published - 1:+.0%}){mark}"
+
+
+def _reached(calibration: dict) -> str:
+    cells = [f"{scheduler} {distribution}" for distribution in calibration for scheduler in ("bucket-parallel", "dcp-inter")
+             if within_published(calibration[distribution][scheduler]["m_tokens_per_s"],
+                                 PUBLISHED_M_TOKENS_PER_S[distribution][scheduler])]
+    ranked = sum(calibration[d]["dcp-inter"]["m_tokens_per_s"] > calibration[d]["bucket-parallel"]["m_tokens_per_s"]
+                 for d in calibration)
+    return ", ".join(cells) + f"; the published ranking (DCP-inter above bucket parallel) in {ranked} of {len(calibration)} rows"
 
 
 def plot(rows: list[dict], calibration: dict, path: Path) -> None:
@@ -187,7 +224,7 @@ def plot(rows: list[dict], calibration: dict, path: Path) -> None:
         axis.scatter(positions, [PUBLISHED_M_TOKENS_PER_S[n][scheduler] for n in names], color="black", marker="_",
                      s=400, zorder=3, label="published" if offset == 0 else None)
     axis.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
-    axis.set_ylabel("M tokens/s (own batch, sync every round)")
+    axis.set_ylabel("M tokens/s as published (latent positions; own batch, sync every round)")
     axis.set_title("calibration: published setting, 32 x H100", fontsize=9)
     axis.legend(fontsize=7)
     figure.tight_layout()
@@ -217,10 +254,11 @@ def main(argv: list[str] | None = None) -> int:
 
     calibration_table = markdown_table(
         ["distribution", "bucket parallel: simulated", "published", "DCP-inter: simulated", "published",
-         "utilisation (BP / inter)"],
-        [[d, f"{c['bucket-parallel']['m_tokens_per_s']:.2f}", f"{PUBLISHED_M_TOKENS_PER_S[d]['bucket-parallel']:.2f}",
-          f"{c['dcp-inter']['m_tokens_per_s']:.2f}", f"{PUBLISHED_M_TOKENS_PER_S[d]['dcp-inter']:.2f}",
-          f"{c['bucket-parallel']['utilisation']:.2f} / {c['dcp-inter']['utilisation']:.2f}"]
+         "utilisation (BP / inter)", "trained (BP / inter)"],
+        [[d, _cell(calibration, d, "bucket-parallel"), f"{PUBLISHED_M_TOKENS_PER_S[d]['bucket-parallel']:.2f}",
+          _cell(calibration, d, "dcp-inter"), f"{PUBLISHED_M_TOKENS_PER_S[d]['dcp-inter']:.2f}",
+          f"{c['bucket-parallel']['utilisation']:.2f} / {c['dcp-inter']['utilisation']:.2f}",
+          f"{c['bucket-parallel']['trained_fraction']:.0%} / {c['dcp-inter']['trained_fraction']:.0%}"]
          for d, c in calibration.items()],
     )
     tables = []
@@ -263,18 +301,29 @@ def main(argv: list[str] | None = None) -> int:
         "Utilisation: busy GPU-seconds over 32 x wall time (published schedulers: with their per-round sync).\n\n"
         "## Calibration against the published figures (32 x H100, each scheduler at its own batch, sync every round)\n\n"
         + calibration_table + "\n\n"
-        "The simulator does **not** reproduce the published DCP-inter figures, the bucket-parallel long-dominated "
-        "figure, or the published ranking (`tests/test_simulator_calibration.py`, strict xfails). The reason: the "
-        "analytic model prices a token nearly alike at every length and SP size, so the published gaps (which "
-        "need per-micro-batch inefficiencies: launch-bound small images at SP 4, realised all-to-all bandwidth, "
-        "possibly a different token count) cannot appear. The comparisons below inherit that limit: they compare "
-        "plans on one model, not measured systems.\n\n"
+        "Accounting, as the published benchmark measures: each scheduler at its own batch with a gradient sync "
+        "after every round, the benchmark configs' `drop_last` (bucket tails and unfillable rounds discarded, "
+        "neither trained nor counted), tokens counted as the published loop counts them (VAE latent positions "
+        "before the 2x2 patch, about 4x the transformer's tokens: VideoSys `train.py`). The cost model's compute "
+        "terms run " + f"{stack_slowdown():.2f}" + "x slower than its datasheet defaults: what Open-Sora's own "
+        "published STDiT throughputs on H800 (gradient-checkpointed rows of `docs/acceleration.md`) measure for "
+        "its stack (`dcp_compile/schedule/measured_efficiency.py`). Nothing is fitted to the six figures. "
+        "DCP-inter's profile ranks every batch by its time after the pyramid knapsack, as the published profiler "
+        "does; every sample pays its text context (K/V projections of 300 T5 tokens in all 56 cross-attentions) "
+        "on every rank of its SP group, as the published model computes it. Within +-25%: " + _reached(calibration)
+        + ". Out of reach (a strict xfail in `tests/test_simulator_calibration.py`): bucket parallel on the "
+        "short-dominated mix. Solving the three published bucket-parallel figures for the mixes' token shares, the "
+        "published baseline runs images at SP 4 2.6-4.5x slower per token than its videos; the model runs a 144p "
+        "image at SP 4 only 1.4x slower per token than a video. What costs the published images that much at SP 4 "
+        "is not priced (candidates: its data pipeline draws a fresh 300 x 4096 fp32 text tensor per sample on every "
+        "rank of the group; its per-sample Python around the cross-attention). The iso-batch comparisons below use "
+        "the datasheet scales (our stack), not the Open-Sora slowdown, and keep every sample (no drop_last).\n\n"
         "## Summary\n\n" + "\n".join(summary_lines) + "\n\n"
         "Where DCP's margin comes from, read with the calibration's limit in mind: (1) recomputation: the "
-        "published schedulers checkpoint every block (as published; DCP-inter's pyramid frees only the few layers "
-        "its profiled batch leaves room for), while DCP runs each micro-batch with the cheapest policy that fits, "
+        "published schedulers checkpoint every block (as published; DCP-inter's pyramid, chosen with its batch as "
+        "the published profiler does, leaves only the layers its batch's spare memory holds unchecked), while DCP runs each micro-batch with the cheapest policy that fits, "
         "which saves up to a third of the compute; (2) utilisation: DCP packs mixed lengths and balances ranks "
-        "(98% busy) where the round-based schedulers idle 40-80% at these step sizes. DCP-inter with the published "
+        "(98% busy) where the round-based schedulers idle 40-83% at these step sizes. DCP-inter with the published "
         "min 15 accumulation is the weakest iso-batch: a step of 2-32M tokens cannot feed 15+ micro-batches per "
         "group, so most groups idle (it is built for its own, much larger batches: see the calibration table). "
         "Static SP here is the stronger packed variant (samples packed in arrival order up to its budget).\n\n"

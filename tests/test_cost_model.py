@@ -66,7 +66,7 @@ def test_time_is_separable_over_packed_sequences(cost_model: CostModel) -> None:
     lengths = [300, 5000, 1200]
     coefficients = cost_model.time_coefficients(4, "selective")
     expected = coefficients.fixed + sum(
-        coefficients.per_token * n + coefficients.per_token_key * n * n for n in lengths
+        coefficients.per_token * n + coefficients.per_token_key * n * n + coefficients.per_sequence for n in lengths
     )
     assert cost_model.time(lengths, 4, "selective") == pytest.approx(expected, rel=1e-12)
     terms = cost_model.terms(lengths, 4, "selective")

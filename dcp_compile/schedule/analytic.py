@@ -43,14 +43,31 @@ GiB = 1024**3
 
 @dataclass(frozen=True)
 class TimeCoefficients:
-    """``time = fixed + per_token * tokens + per_token_key * token_keys`` for one (sp, recompute)."""
+    """``time = fixed + per_token * tokens + per_token_key * token_keys + per_sequence * sequences``
+    for one (sp, recompute)."""
 
     fixed: float
     per_token: float
     per_token_key: float
+    per_sequence: float = 0.0
 
-    def time(self, tokens: float, token_keys: float) -> float:
-        return self.fixed + self.per_token * tokens + self.per_token_key * token_keys
+    def time(self, tokens: float, token_keys: float, sequences: int = 0) -> float:
+        return self.fixed + self.per_token * tokens + self.per_token_key * token_keys + self.per_sequence * sequences
+
+
+def context_seconds_per_sequence(profile: "ModelProfile", hardware: Hardware, recompute: RecomputePolicy | str) -> float:
+    """Unscaled seconds (a matmul: the ``linear`` scale applies) one sample's conditioning context
+    costs on *every* rank of its group, whatever the SP size: the key/value projections of the
+    context in each cross-attention (``ModelProfile.context_flops_per_sequence``), forward,
+    backward (input and weight gradients: 2x) and, under any recompute policy, forward again
+    (they sit inside the recomputed attention / block). Why it matters: the published STDiT3
+    attends to 300 T5 tokens per sample in all 56 cross-attentions, about 89 GFLOP of forward per
+    sample; a 144p image (144 tokens) at SP 4 has 36 tokens per rank, so this per-sample work is
+    about as large as the image's own (VideoSys ``OpenSoraMultiHeadCrossAttention.forward``:
+    ``kv_linear(cond)`` over every sample's text on every rank)."""
+    recompute = RecomputePolicy.parse(recompute)
+    passes = 1 + BACKWARD_FLOP_RATIO + (0 if recompute == RecomputePolicy.NONE else 1)
+    return profile.context_flops_per_sequence * passes / hardware.peak_flops
 
 
 @dataclass(frozen=True)

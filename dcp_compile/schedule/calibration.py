@@ -16,7 +16,7 @@ import numpy as np
 
 from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy
 
-from .analytic import COST_TERMS, token_sums
+from .analytic import COST_TERMS, context_seconds_per_sequence, token_sums
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
@@ -76,7 +76,11 @@ def calibrate(
             raise ValueError(f"measure_fn returned {measured!r} for {point}; it must return positive seconds")
         tokens, token_keys = token_sums(point.lengths, None)
         raw = model.raw_term_coefficients(point.sp_size, point.recompute)
-        rows.append([(raw[t][0] + raw[t][1] * tokens + raw[t][2] * token_keys) / measured for t in COST_TERMS])
+        context = context_seconds_per_sequence(model.profile, model.hardware, point.recompute) * len(point.lengths)
+        rows.append([
+            (raw[t][0] + raw[t][1] * tokens + raw[t][2] * token_keys + (context if t == "linear" else 0.0)) / measured
+            for t in COST_TERMS
+        ])
     matrix = np.asarray(rows)
     active = np.flatnonzero((matrix > 0).any(axis=0))
     fixed = np.setdiff1d(np.arange(len(COST_TERMS)), active)

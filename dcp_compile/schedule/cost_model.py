@@ -8,12 +8,15 @@ sequences of a micro-batch::
     time(lengths, sp, recompute) = fixed(sp, recompute)
                                    + per_token(sp, recompute) * sum(lengths)
                                    + per_token_key(sp, recompute) * sum(length * span)
+                                   + per_sequence(recompute) * len(lengths)
 
 where ``span`` is the number of keys a query attends to, averaged over the attention layers (the
 length itself for full attention; ``(frames + height * width) / 2`` for a video DiT that alternates
 spatial and temporal attention). ``fixed`` holds what a micro-batch pays however few tokens it
 has (kernel launches, all-to-all latency, reading the weights), which is why packing short
-sequences into one micro-batch pays. Peak memory is ``static + bytes_per_token * sum(lengths) / sp``
+sequences into one micro-batch pays; ``per_sequence`` is what a sample costs on every rank of its
+group whatever its length and the SP size (a DiT's text context, which no rank shards: see
+:func:`.analytic.context_seconds_per_sequence`). Peak memory is ``static + bytes_per_token * sum(lengths) / sp``
 (flash/varlen attention keeps no quadratic buffer), so "does it fit" is a token capacity.
 
 A recompute policy (:class:`~dcp_compile.variant.RecomputePolicy`, the names the compiler builds)
@@ -51,6 +54,7 @@ from .analytic import (
     GiB,
     MemoryCoefficients,
     TimeCoefficients,
+    context_seconds_per_sequence,
     memory_coefficients,
     raw_term_coefficients,
     token_sums,
@@ -135,10 +139,13 @@ class CostModel:
         """Scaled seconds per term for one micro-batch."""
         tokens, token_keys = token_sums(lengths, spans)
         raw = self.raw_term_coefficients(sp_size, recompute)
-        return {
+        out = {
             term: self.scales[term] * (c[0] + c[1] * tokens + c[2] * token_keys) if tokens else 0.0
             for term, c in raw.items()
         }
+        if tokens:  # the per-sample context projections are matmuls: priced with the linear term
+            out["linear"] += self.scales["linear"] * context_seconds_per_sequence(self.profile, self.hardware, recompute) * len(lengths)
+        return out
 
     def time(
         self,
@@ -152,7 +159,7 @@ class CostModel:
         tokens, token_keys = token_sums(lengths, spans)
         if not tokens:
             return 0.0
-        return self.time_coefficients(sp_size, recompute).time(tokens, token_keys)
+        return self.time_coefficients(sp_size, recompute).time(tokens, token_keys, len(lengths))
 
     def sequence_work(self, length: int, sp_size: int, recompute: RecomputePolicy | str = "none", span: float | None = None) -> float:
         """Rank-seconds one sequence alone costs: ``sp_size * time([length])``."""
@@ -226,7 +233,8 @@ def _time_coefficients(model: CostModel, sp_size: int, recompute: RecomputePolic
         scale = model.scales[term]
         for i in range(3):
             totals[i] += scale * coefficients[i]
-    return TimeCoefficients(*totals)
+    per_sequence = model.scales["linear"] * context_seconds_per_sequence(model.profile, model.hardware, recompute)
+    return TimeCoefficients(*totals, per_sequence=per_sequence)
 
 
 @lru_cache(maxsize=4096)

@@ -42,6 +42,10 @@ class ModelProfile:
         head_activation_bytes_per_token: bytes per token kept for backward outside the blocks
             (final norm, output head, loss; under ``full`` only what every block reads from
             outside, such as a shared RoPE table), per policy; zeros when not given.
+        context_flops_per_sequence: forward FLOPs per *sample* that do not depend on its length
+            and that every rank of an SP group repeats: the key/value projections of a
+            conditioning context (a DiT's text) in every cross-attention. The context is not a
+            sequence-indexed value, so neither the published model nor our compiler shards it.
     """
 
     name: str
@@ -62,6 +66,7 @@ class ModelProfile:
     activation_dtype_bytes: int = 2
     causal: bool = False
     head_activation_bytes_per_token: dict[str, float] = field(default_factory=dict)
+    context_flops_per_sequence: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.head_activation_bytes_per_token:

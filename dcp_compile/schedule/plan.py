@@ -58,6 +58,8 @@ class Schedule:
     world_size: int
     microbatches: list[ScheduledMicroBatch]
     scheduler: str = "dcp"
+    # Positions the scheduler discards instead of training (the published samplers' ``drop_last``).
+    dropped: list[int] = field(default_factory=list)
 
     def rank_loads(self) -> list[float]:
         """Seconds each rank spends (the sum of its micro-batch times)."""
@@ -95,8 +97,8 @@ class Schedule:
         return [p for microbatch in self.microbatches for p in microbatch.positions]
 
     def validate(self, num_sequences: int) -> None:
-        """Raise if a sequence is missing or repeated, or a block is misaligned."""
-        seen = sorted(self.positions())
+        """Raise if a sequence is missing or repeated (dropped ones count as seen), or a block is misaligned."""
+        seen = sorted(self.positions() + list(self.dropped))
         if seen != list(range(num_sequences)):
             missing = sorted(set(range(num_sequences)) - set(seen))
             repeated = sorted({p for p in seen if seen.count(p) > 1})

@@ -134,6 +134,9 @@ class Planner:
         self.fixed = [[0.0] * policies for _ in sizes]
         self.per_token = [[0.0] * policies for _ in sizes]
         self.per_key = [[0.0] * policies for _ in sizes]
+        # What each sample costs on every rank of its group (a DiT's text context). The search does
+        # not weigh it; the plan's micro-batch times include it (``PlanningState.to_schedule``).
+        self.per_sequence = [[0.0] * policies for _ in sizes]
         self.capacity = [[0] * policies for _ in sizes]
         for j, size in enumerate(sizes):
             for p, policy in enumerate(RECOMPUTE_POLICIES):
@@ -141,6 +144,7 @@ class Planner:
                 self.fixed[j][p] = coefficients.fixed
                 self.per_token[j][p] = coefficients.per_token
                 self.per_key[j][p] = coefficients.per_token_key
+                self.per_sequence[j][p] = coefficients.per_sequence
                 capacity = cost_model.token_capacity(size, policy, self.memory_cap)
                 if self.config.max_tokens_per_rank is not None:
                     capacity = min(capacity, self.config.max_tokens_per_rank * size)
@@ -236,7 +240,7 @@ class Planner:
                 p = self.policy_for(j, length)
                 if p < 0:
                     continue
-                variable = self.per_token[j][p] * length + self.per_key[j][p] * key
+                variable = self.per_token[j][p] * length + self.per_key[j][p] * key + self.per_sequence[j][p]
                 best_work = min(best_work, size * variable)
                 best_time = min(best_time, self.fixed[j][p] + variable)
             if best_work == float("inf"):

@@ -245,7 +245,7 @@ class PlanState:
                             sp_size=size,
                             first_rank=k * size,
                             recompute=RECOMPUTE_POLICIES[mb.policy],
-                            predicted_time=mb.time,
+                            predicted_time=mb.time + planner.per_sequence[level][mb.policy] * len(mb.members),
                             tokens=mb.tokens,
                         )
                     )

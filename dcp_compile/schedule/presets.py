@@ -77,6 +77,8 @@ def transformer_fields(
     total_params += vocab_size * h + extra_parameters  # embeddings
 
     cross_core_flops = 4 * h * cross_attention_tokens  # q @ k^T and p @ v against the context
+    # The context's key and value projections in every cross-attention: per sample, not per token.
+    context_flops = num_layers * 2 * (2 * h * h) * cross_attention_tokens
     linear_flops = num_layers * (2 * block_params + cross_core_flops) + 2 * head_params
     attention_flops = num_layers * 4 * h * (0.5 if causal else 1.0)
 
@@ -121,6 +123,7 @@ def transformer_fields(
         activation_dtype_bytes=dtype_bytes,
         causal=causal,
         head_activation_bytes_per_token=head,
+        context_flops_per_sequence=float(context_flops),
     )
 
 

@@ -18,8 +18,9 @@ and ``videosys/core/dcp/profiler.py``, late 2024; see ``/work/shared/reference/p
 * :class:`DCPInterScheduler`: the published gradient-accumulation schedule: groups keep their
   profiled (SP, batch); accumulation counts come from the 1.2-overshoot / 1.0-undershoot penalty
   search with the published ``dcp_inter_ckpt`` bounds (max 5, min 15); with ``pyramid_recompute``
-  each bucket leaves some layers unchecked, chosen as published by a 0/1 knapsack over the memory
-  its profiled batch leaves under the cap, in 1 GB steps (:meth:`DCPInterScheduler.uncheckpointed_layers`).
+  each bucket leaves some layers unchecked, chosen as published by a knapsack over the memory a
+  batch leaves under the cap, in 1 GiB steps (:meth:`DCPInterScheduler.uncheckpointed_layers`), run
+  on every batch the profile tries, which then ranks the batches by their time after it.
 
 Every baseline plans with whole-block checkpointing as published (``CostModel.collectives_recomputed``:
 a checkpointed block keeps only its input at any SP size and re-sends its all-to-alls in backward).
@@ -28,7 +29,9 @@ Adaptations, all in the baselines' favour or neutral:
 
 * **Iso-batch.** Every scheduler trains exactly the step's samples (ours draws them; the published
   samplers draw from buckets). Round-based schedulers run as many rounds as it takes; tails are
-  kept (``keep_last``), never dropped or padded.
+  kept (``keep_last``), never dropped or padded. ``drop_last=True`` gives the published benchmark's
+  epoch instead (bucket tails and rounds that cannot be filled are discarded and listed in
+  ``Schedule.dropped``): the calibration against the published figures uses it.
 * **Time.** Iso-batch means one optimizer step per step, so the rounds of a round-based scheduler
   are gradient-accumulation micro-steps with one sync at the end: a step costs its busiest rank's
   summed micro-batch time, exactly as for our plans. That ignores the waits the published
@@ -59,6 +62,7 @@ log = logging.getLogger(__name__)
 
 PUBLISHED_MEMORY_FRACTION = 0.7  # the published profiler keeps peak memory under 65-70%
 _MAX_PROFILE_BATCH = 4096
+_GiB = 1024**3  # the published profiler's GB
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,7 @@ class _BaselineScheduler:
         recompute: RecomputePolicy | str = RecomputePolicy.FULL,
         max_buckets: int = 32,
         seed: int = 0,
+        drop_last: bool = False,
     ) -> None:
         recompute = RecomputePolicy.parse(recompute)
         # The published system checkpoints whole blocks: backward re-sends their all-to-alls and
@@ -114,6 +119,9 @@ class _BaselineScheduler:
         self.recompute = recompute
         self.max_buckets = max_buckets
         self.seed = seed
+        # ``drop_last``: the published benchmark's epoch semantics (bucket tails and rounds that
+        # cannot be filled are discarded, not trained); off for iso-batch comparisons.
+        self.drop_last = drop_last
         self.node_size = max(1, min(world_size, cost_model.hardware.gpus_per_node))
         sizes = [1]
         while sizes[-1] * 2 <= world_size:
@@ -153,7 +161,9 @@ class _BaselineScheduler:
 
         Start at SP 1 (or ``fixed_sp``), batch 1; double the batch until it no longer fits; then
         double SP and restart at half the last good batch; keep the (batch, SP) with the most
-        samples per GPU-second. SP stays within a node unless the bucket fits nowhere there.
+        samples per GPU-second over every batch that fitted (the published profiler ranks all its
+        rows, ``profiler.py``: ``sorted(dp_results, key=bs / sp / time)``), each timed by
+        :meth:`profiled_time`. SP stays within a node unless the bucket fits nowhere there.
         """
         best: BucketProfile | None = None
         sp = fixed_sp or 1
@@ -166,12 +176,11 @@ class _BaselineScheduler:
             good = 0
             while batch <= _MAX_PROFILE_BATCH and self.fits([length] * batch, sp):
                 good = batch
+                time = self.profiled_time(length, span, sp, batch)
+                if best is None or batch / (sp * time) > best.batch_size / (best.sp_size * best.time):
+                    best = BucketProfile(length, span, sp, batch, time, self.recompute)
                 batch *= 2
             if good:
-                time = self.cost_model.time([length] * good, sp, self.recompute, [span] * good)
-                throughput = good / (sp * time)
-                if best is None or throughput > best.batch_size / (best.sp_size * best.time):
-                    best = BucketProfile(length, span, sp, good, time, self.recompute)
                 start_batch = max(1, good // 2)
             if fixed_sp is not None:
                 break
@@ -182,6 +191,11 @@ class _BaselineScheduler:
                 f"{min(self.world_size, fixed_sp or self.world_size)} under {self.memory_cap / 1e9:.1f} GB"
             )
         return best
+
+    def profiled_time(self, length: int, span: float, sp_size: int, batch_size: int) -> float:
+        """What the published profiler records for a batch of ``batch_size`` samples of one
+        bucket on ``sp_size`` ranks: the time of the batch under this scheduler's policy."""
+        return self.cost_model.time([length] * batch_size, sp_size, self.recompute, [span] * batch_size)
 
     def group_by_bucket(self, lengths: Sequence[int], spans: Sequence[float]) -> dict[int, list[int]]:
         keys = bucketize(lengths, self.max_buckets)
@@ -295,14 +309,18 @@ class BucketParallelScheduler(_BaselineScheduler):
         batches: list[list[int]] = []
         for key, positions in buckets.items():
             size = sizes[key]
+            if self.drop_last:  # the published sampler cuts each bucket to whole batches
+                positions = positions[: len(positions) - len(positions) % size]
             batches += [positions[start : start + size] for start in range(0, len(positions), size)]
         random.Random(self.seed).shuffle(batches)
         groups = self.world_size // self.sp_size
+        if self.drop_last:  # ... and the access order to whole rounds
+            batches = batches[: len(batches) - len(batches) % groups]
         microbatches = [
             self.microbatch(batch, lengths, spans, self.sp_size, (index % groups) * self.sp_size, round_index=index // groups)
             for index, batch in enumerate(batches)
         ]
-        return Schedule(self.world_size, microbatches, scheduler=self.name)
+        return _with_dropped(Schedule(self.world_size, microbatches, scheduler=self.name), len(lengths))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,34 +520,39 @@ class DCPInterScheduler(_RoundScheduler):
         return counts
 
     def uncheckpointed_layers(self, profile: BucketProfile) -> int:
-        """The published pyramid recompute for one bucket: a 0/1 knapsack over the memory the
-        profiled (SP, batch) leaves under the cap, in whole GB, choosing which layers run without
-        checkpointing; an item is one layer (weight: the bytes it keeps beyond its input, value:
-        the forward time its recompute would cost). Returns how many layers are left unchecked."""
-        tokens = [profile.length] * profile.batch_size
-        full = self.cost_model.peak_memory(tokens, profile.sp_size, RecomputePolicy.FULL)
-        none = self.cost_model.peak_memory(tokens, profile.sp_size, RecomputePolicy.NONE)
-        layers = self.cost_model.profile.num_layers
-        spare_gb = int((self.memory_cap - full) // 1e9)
-        weight_gb = max(1, math.ceil((none - full) / layers / 1e9))
-        saved = (self._layer_times(profile)[0]) / layers
-        # 0/1 knapsack (best value by capacity); the items are alike, the DP is the published form.
-        best = [0.0] * (max(0, spare_gb) + 1)
-        chosen = [0] * (max(0, spare_gb) + 1)
-        for _ in range(layers):
-            for capacity in range(spare_gb, weight_gb - 1, -1):
-                if best[capacity - weight_gb] + saved > best[capacity]:
-                    best[capacity] = best[capacity - weight_gb] + saved
-                    chosen[capacity] = chosen[capacity - weight_gb] + 1
-        return chosen[spare_gb] if spare_gb >= 0 else 0
+        """The published pyramid recompute for one bucket (``profiler.py``, ``dynamic_recompute``):
+        a knapsack over the memory the (SP, batch) leaves under the cap, in whole GiB
+        (``floor((cap - peak) / GiB)``), where ``n`` unchecked layers cost ``ceil(n * layer_bytes /
+        GiB)`` (a layer's bytes beyond its checkpointed input) and are worth their forward time.
+        The layers are alike, so the knapsack keeps the most layers that fit. Returns how many
+        layers run without checkpointing."""
+        return self._unchecked_layers(profile.length, profile.sp_size, profile.batch_size)
 
-    def _layer_times(self, profile: BucketProfile) -> tuple[float, float]:
-        """(recompute seconds the whole model costs, full-checkpoint time) of a full profiled batch."""
-        tokens = [profile.length] * profile.batch_size
-        spans = [profile.span] * profile.batch_size
-        full = self.cost_model.time(tokens, profile.sp_size, RecomputePolicy.FULL, spans)
-        none = self.cost_model.time(tokens, profile.sp_size, RecomputePolicy.NONE, spans)
-        return max(0.0, full - none), full
+    def _unchecked_layers(self, length: int, sp_size: int, batch_size: int) -> int:
+        tokens = [length] * batch_size
+        full = self.cost_model.peak_memory(tokens, sp_size, RecomputePolicy.FULL)
+        none = self.cost_model.peak_memory(tokens, sp_size, RecomputePolicy.NONE)
+        layers = self.cost_model.profile.num_layers
+        spare_gib = math.floor((self.memory_cap - full) / _GiB)
+        per_layer = max(0.0, none - full) / layers
+        if spare_gib <= 0:
+            return 0
+        if per_layer == 0:
+            return layers
+        return min(layers, int(spare_gib * _GiB // per_layer))
+
+    def profiled_time(self, length: int, span: float, sp_size: int, batch_size: int) -> float:
+        """With pyramid recompute the published profiler runs the knapsack on every batch it
+        tries and ranks the batches by their time after it (``best_full_time = pred_full_time -
+        reduced_time``), so a smaller batch that leaves more layers unchecked can win."""
+        full = super().profiled_time(length, span, sp_size, batch_size)
+        if not self.pyramid_recompute:
+            return full
+        unchecked = self._unchecked_layers(length, sp_size, batch_size)
+        if not unchecked:
+            return full
+        none = self.cost_model.time([length] * batch_size, sp_size, RecomputePolicy.NONE, [span] * batch_size)
+        return full - unchecked / self.cost_model.profile.num_layers * max(0.0, full - none)
 
     def _pyramid(self, microbatch: ScheduledMicroBatch, unchecked: int) -> ScheduledMicroBatch:
         """The micro-batch with ``unchecked`` of its layers kept (not recomputed): its time is the
@@ -537,7 +560,6 @@ class DCPInterScheduler(_RoundScheduler):
         if not unchecked:
             return microbatch
         layers = self.cost_model.profile.num_layers
-        # Linear in the number of unchecked layers: each block's recompute is its own share.
         full = microbatch.predicted_time
         positions = microbatch.positions
         none = self.cost_model.time(
@@ -552,6 +574,8 @@ class DCPInterScheduler(_RoundScheduler):
         self._lengths, self._spans_now = list(lengths), spans
         buckets = self.group_by_bucket(lengths, spans)
         profiles = self.profiles_for(buckets, spans)
+        if self.drop_last:
+            return self._schedule_dropping(lengths, spans, buckets, profiles)
         remaining = {key: list(positions) for key, positions in buckets.items()}
         rng = random.Random(self.seed)
         microbatches: list[ScheduledMicroBatch] = []
@@ -597,6 +621,90 @@ class DCPInterScheduler(_RoundScheduler):
             microbatches += placed
             round_index += 1
         return Schedule(self.world_size, microbatches, scheduler=self.name)
+
+    def _schedule_dropping(
+        self, lengths: Sequence[int], spans: Sequence[float], buckets: dict[int, list[int]],
+        profiles: dict[int, BucketProfile],
+    ) -> Schedule:
+        """The published epoch with ``drop_last`` (the benchmark configs' setting; VideoSys
+        ``sampler.py: _build_local_bucket_id_access_order_acc``). Each bucket is cut to whole
+        profiled batches. A round fills the GPUs with groups (weighted SP, random bucket, a full
+        first batch); once they are full, a group whose bucket has fewer batches left than its
+        share of the round's accumulation (``max_time // t - 1``, times its groups in the round) is
+        removed, the rest of its bucket discarded, and its GPUs refilled. A round that can no
+        longer fill the GPUs is discarded. Groups never run out mid-round, so they idle only by
+        the penalty search's mismatch; the discarded samples are neither trained nor counted
+        (``Schedule.dropped``)."""
+        rng = random.Random(self.seed)
+        remaining: dict[int, list[int]] = {}
+        for key, positions in buckets.items():
+            size = profiles[key].batch_size
+            remaining[key] = positions[: len(positions) - len(positions) % size]
+        microbatches: list[ScheduledMicroBatch] = []
+        round_index = 0
+        while any(remaining.values()):
+            sp_buckets = DCPIntraScheduler._sp_buckets(remaining, profiles)
+            chosen: list[tuple[int, list[int]]] = []
+            free = self.world_size
+            complete = True
+            while free > 0:
+                candidates = [sp for sp in sorted(sp_buckets) if sp <= free and sp_buckets[sp]]
+                if not candidates:
+                    complete = False
+                    break
+                sp = self._weighted_sp(rng, candidates, {s: len(b) for s, b in sp_buckets.items()})
+                bucket = sp_buckets[sp][rng.randrange(len(sp_buckets[sp]))]
+                size = profiles[bucket].batch_size
+                batch, remaining[bucket] = remaining[bucket][:size], remaining[bucket][size:]
+                chosen.append((bucket, batch))
+                free -= sp
+                if not remaining[bucket]:
+                    sp_buckets[sp].remove(bucket)
+                if free <= 0:
+                    times = [profiles[b].time for b, _ in chosen]
+                    counts = self.accumulation_counts(times, self.max_accumulation, self.min_accumulation)
+                    longest = max(t * c for t, c in zip(times, counts))
+                    index = 0
+                    while index < len(chosen):
+                        key = chosen[index][0]
+                        profile = profiles[key]
+                        required = (longest // profile.time - 1) * sum(1 for b, _ in chosen if b == key)
+                        if len(remaining[key]) // profile.batch_size < required:
+                            chosen.pop(index)
+                            free += profile.sp_size
+                            remaining[key] = []
+                            if key in sp_buckets.get(profile.sp_size, []):
+                                sp_buckets[profile.sp_size].remove(key)
+                        else:
+                            index += 1
+            if not complete or not chosen:
+                continue  # the published sampler discards a round it cannot fill
+            chosen.sort(key=lambda item: -profiles[item[0]].sp_size)
+            counts = self.accumulation_counts([profiles[b].time for b, _ in chosen], self.max_accumulation, self.min_accumulation)
+            groups = []
+            for (bucket, first_batch), count in zip(chosen, counts):
+                profile = profiles[bucket]
+                batches = [first_batch]
+                for _ in range(count - 1):
+                    if not remaining[bucket]:
+                        break
+                    batch, remaining[bucket] = remaining[bucket][: profile.batch_size], remaining[bucket][profile.batch_size :]
+                    batches.append(batch)
+                groups.append((profile.sp_size, batches, None))
+            placed = self._place(groups, lengths, spans, round_index)
+            if self.pyramid_recompute:
+                bucket_of = {p: key for key, members in buckets.items() for p in members}
+                placed = [self._pyramid(mb, self._unchecked(profiles[bucket_of[mb.positions[0]]])) for mb in placed]
+            microbatches += placed
+            round_index += 1
+        return _with_dropped(Schedule(self.world_size, microbatches, scheduler=self.name), len(lengths))
+
+
+def _with_dropped(schedule: Schedule, num_sequences: int) -> Schedule:
+    """``schedule`` with every position it does not train recorded as dropped."""
+    kept = set(schedule.positions())
+    schedule.dropped = [p for p in range(num_sequences) if p not in kept]
+    return schedule
 
 
 def _median(values: Sequence[float]) -> float:
