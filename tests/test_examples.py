@@ -1,0 +1,65 @@
+"""The examples run as a user runs them: ``torchrun``, 2 gloo ranks, ``--tiny``, a few steps.
+
+Each run is a subprocess (``python -m torch.distributed.run --standalone --nproc_per_node 2``) in a
+fresh directory, so the script writes its own dataset there. It must exit 0 and print, per step,
+the tokens/s and the plan (SP groups, micro-batches per rank, recompute), with plans that mix SP
+sizes; the causal LM is then resumed from its checkpoint with ``--resume`` and must continue at the
+next step. No GPU is used (``CUDA_VISIBLE_DEVICES=""``: the scripts pick gloo). Both take minutes
+on CPU, mostly compiling the SP variants, hence ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+STEP_LINE = re.compile(r"^step (\d+): \d+ tokens, [\d,]+ tokens/s, loss [\d.]+ \| plan: (.*) \| "
+                       r"micro-batches per rank \[\d+, \d+\] \| recompute \w+", re.M)
+
+
+def run_example(script: str, directory: Path, *arguments: str, timeout: float = 900) -> str:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(EXAMPLES / script), "--tiny", "--num-workers", "1", *arguments]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLES.parent), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True, timeout=timeout)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{script} {' '.join(arguments)} exited {result.returncode}:\n{output[-6000:]}"
+    return result.stdout
+
+
+def trained_steps(output: str) -> dict[int, str]:
+    """Step number -> that step's SP groups, from the per-step lines."""
+    return {int(match.group(1)): match.group(2) for match in STEP_LINE.finditer(output)}
+
+
+@pytest.mark.slow
+def test_the_causal_lm_example_trains_shows_plans_and_resumes(tmp_path: Path) -> None:
+    first = trained_steps(run_example("train_causal_lm.py", tmp_path, "--steps", "2", "--checkpoint-every", "2"))
+    assert sorted(first) == [1, 2], first
+    assert any("sp2" in groups and "sp1" in groups for groups in first.values()), first
+    assert (tmp_path / "example_data" / "texts.jsonl").is_file()
+    assert (tmp_path / "checkpoints" / "causal_lm" / "step_000000002" / ".metadata").is_file()
+
+    resumed = trained_steps(run_example("train_causal_lm.py", tmp_path, "--steps", "3", "--resume"))
+    assert sorted(resumed) == [3], f"--resume should continue at step 3, ran {sorted(resumed)}"
+
+
+@pytest.mark.slow
+def test_the_video_dit_example_trains_on_mixed_resolutions_and_shows_plans(tmp_path: Path) -> None:
+    steps = trained_steps(run_example("train_video_dit.py", tmp_path, "--steps", "3", "--checkpoint-every", "3"))
+    assert sorted(steps) == [1, 2, 3], steps
+    assert any("sp2" in groups for groups in steps.values()), steps
+    latents = tmp_path / "example_data" / "video_latents"
+    manifest = json.loads((latents / "manifest.json").read_text())
+    shapes = {tuple(entry["shape"]) for entry in manifest}
+    assert len({shape[1] for shape in shapes}) > 1 and len({shape[2:] for shape in shapes}) > 1, "frames and sizes mix"
+    assert len(list(latents.glob("clip_*.pt"))) == len(manifest), "one .pt file per clip"
+    assert (tmp_path / "checkpoints" / "video_dit" / "step_000000003" / ".metadata").is_file()
