@@ -156,6 +156,9 @@ def test_dcp_inter_profile_ranks_batches_after_the_knapsack(length: int, span: f
     after_knapsack = pyramid.profiled_time(length, span, full_checkpointed.sp_size, full_checkpointed.batch_size)
     assert chosen.batch_size / (chosen.sp_size * chosen.time) >= full_checkpointed.batch_size / (
         full_checkpointed.sp_size * after_knapsack) - 1e-12
+    # The ablation that ranks batches fully checkpointed profiles like the plain scheduler.
+    ablated = DCPInterScheduler(model, 32, pyramid_recompute=True, pyramid_in_profile=False)
+    assert ablated.profile_bucket(length, span) == full_checkpointed
     # The knapsack only spends memory the batch leaves under the cap.
     unchecked = pyramid.uncheckpointed_layers(chosen)
     tokens = [length] * chosen.batch_size

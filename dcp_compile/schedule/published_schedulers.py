@@ -473,12 +473,15 @@ class DCPInterScheduler(_RoundScheduler):
 
     def __init__(
         self, cost_model: CostModel, world_size: int, *, max_accumulation: int = 5, min_accumulation: int = 15,
-        pyramid_recompute: bool = True, **kwargs,
+        pyramid_recompute: bool = True, pyramid_in_profile: bool = True, **kwargs,
     ) -> None:
         super().__init__(cost_model, world_size, **kwargs)
         self.max_accumulation = max_accumulation
         self.min_accumulation = min_accumulation
         self.pyramid_recompute = pyramid_recompute
+        # As published, the profile ranks batches by their time after the knapsack; False ranks
+        # them fully checkpointed and applies the knapsack to the chosen batch only (an ablation).
+        self.pyramid_in_profile = pyramid_in_profile
         self._unchecked_cache: dict[BucketProfile, int] = {}
 
     def _unchecked(self, profile: BucketProfile) -> int:
@@ -546,7 +549,7 @@ class DCPInterScheduler(_RoundScheduler):
         tries and ranks the batches by their time after it (``best_full_time = pred_full_time -
         reduced_time``), so a smaller batch that leaves more layers unchecked can win."""
         full = super().profiled_time(length, span, sp_size, batch_size)
-        if not self.pyramid_recompute:
+        if not (self.pyramid_recompute and self.pyramid_in_profile):
             return full
         unchecked = self._unchecked_layers(length, sp_size, batch_size)
         if not unchecked:
