@@ -15,10 +15,14 @@ What the model needed, none of it fitted to these six figures (each has its own 
   rows of its ``docs/acceleration.md``) run the compute 2.55x slower than the datasheet defaults
   (``measured_efficiency``);
 * the published epoch: ``drop_last`` (bucket tails and rounds that cannot be filled are discarded,
-  so DCP-inter's groups never run dry mid-round: 93% busy instead of 61%), and DCP-inter's profile
-  ranking every batch by its time after the pyramid knapsack (``published_schedulers``);
+  so DCP-inter's groups never run dry mid-round: +3-7% on its figures), and DCP-inter's profile
+  ranking every batch by its time after the pyramid knapsack (``published_schedulers``: +22-31%, the
+  largest single step, since small batches of short samples then run with few layers checkpointed);
 * the per-sample text context (K/V projections of 300 T5 tokens in every cross-attention), which
-  every rank of an SP group repeats (``analytic.context_seconds_per_sequence``).
+  every rank of an SP group repeats (``analytic.context_seconds_per_sequence``: -7% / -6% on bucket
+  parallel short-dominated / balanced, within +-3% elsewhere).
+
+``benchmarks/results/simulate.md`` tabulates the calibration with each mechanism turned off in turn.
 
 Reproduced within +-25%: DCP-inter on all three mixes, bucket parallel balanced and
 long-dominated, and the published ranking in every row. Out of reach: bucket parallel on the
