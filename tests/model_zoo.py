@@ -778,6 +778,56 @@ class GQAModel(nn.Module):
         return loss, logits
 
 
+class ALiBiBlock(nn.Module):
+    """BLOOM's attention spelling: heads folded into the batch for ``bmm``, the ALiBi bias added by
+    ``baddbmm(bias, q, k^T, beta, alpha)``, scores viewed ``[B, H, S, S]`` only around the causal
+    mask and the softmax, then ``bmm`` with the values on ``[B*H, S, D]`` again."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.norm = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+        self.mlp = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+        self.register_buffer("slopes", 2.0 ** (-8.0 * torch.arange(1, heads + 1) / heads), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, v = q.reshape(b * self.heads, s, self.head_dim), v.reshape(b * self.heads, s, self.head_dim)
+        k = k.reshape(b * self.heads, s, self.head_dim).transpose(-1, -2)
+        positions = torch.arange(s, device=x.device, dtype=x.dtype)
+        alibi = (self.slopes[:, None] * positions[None, :]).expand(b, -1, -1).reshape(b * self.heads, 1, s)
+        scores = alibi.baddbmm(q, k, beta=1.0, alpha=1.0 / math.sqrt(self.head_dim)).view(b, self.heads, s, s)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        scores = scores + torch.zeros(s, s, dtype=x.dtype, device=x.device).masked_fill(~causal, torch.finfo(x.dtype).min)
+        probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        context = torch.bmm(probabilities.view(b * self.heads, s, s), v)
+        context = context.view(b, self.heads, s, self.head_dim).permute(0, 2, 1, 3).reshape(b, s, d)
+        x = x + self.out(context)
+        return x + self.mlp(x)
+
+
+class ALiBiGPT(nn.Module):
+    """A decoder with BLOOM-style ALiBi attention; ``forward(input_ids, labels=None) -> (loss, logits)``."""
+
+    def __init__(self, vocab_size: int = VOCAB_SIZE, hidden: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, hidden)
+        self.blocks = nn.ModuleList([ALiBiBlock(hidden), ALiBiBlock(hidden)])
+        self.norm = nn.LayerNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab_size, bias=False)
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> tuple[Tensor | None, Tensor]:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.norm(x))
+        loss = hf_shifted_lm_loss(logits, labels) if labels is not None else None
+        return loss, logits
+
+
 # ---------------------------------------------------------------------------------------------
 # 6. No attention at all
 # ---------------------------------------------------------------------------------------------
@@ -1038,6 +1088,7 @@ ZOO: dict[str, ZooCase] = {
         ZooCase("gqa", GQAModel, _lm_inputs, _lm_loss, _ids_len, causal=True),
         ZooCase("custom_function", CustomFunctionGPT, _lm_inputs, _lm_loss, _ids_len, causal=True),
         ZooCase("moe", MoEGPT, _lm_inputs, _lm_loss, _ids_len, causal=True),
+        ZooCase("alibi", ALiBiGPT, _lm_inputs, _lm_loss, _ids_len, causal=True),
         ZooCase("no_attention", NoAttentionModel, _ids_only_inputs, _tensor_loss, _ids_len),
         ZooCase(
             "hf_llama", tiny_llama, _hf_lm_inputs, _lm_loss, _ids_len,

@@ -1065,8 +1065,6 @@ QUICK = {  # about a minute each on CI's 2 cores: the rest run after them while 
 # benchmarks/results/real_model_zoo.md). They are expected to fail the sharding assertions (never
 # parity: a gap means extra gathers or an unsharded site, which stay exact); non-strict because a
 # fix of the mechanism turns them green one by one. The next plan takes them from here.
-_ALIBI = ("its ALiBi attention (baddbmm of the bias with q and k^T on [B*H, S, D] views) is not found: 0 sites, "
-          "so SP 2 runs unsharded (exact); its custom GeLU backward is kept since the custom-autograd capture")
 KNOWN_GAPS: dict[str, str] = {
     "mochi": "data-dependent text-token selection (torch.nonzero in its attention processor) breaks the graph "
              "around every attention: the attentions and their projections run in eager code (refused by "
@@ -1074,8 +1072,6 @@ KNOWN_GAPS: dict[str, str] = {
     "cogvideox": "a sin-cos position table built from numpy inside forward is a real tensor in the fake re-trace",
     "lumina2": "per-sample caption lengths reach the graph as ints after a graph break; the padded caption buffer "
                "(a constant 26 positions) is sliced at them along the joint sequence (2 gathers, budget 1)",
-    "bloom-eager": _ALIBI,
-    "bloom-eager-nocache": _ALIBI,
     "z_image": "its padding mask (tokens padded to a multiple of 32) is an outer product of positions: gathered "
                "(2 gathers at 15 tokens, budget 1); its embedders run in eager code after graph breaks (exact since "
                "eager parameters are divided by the SP size)",

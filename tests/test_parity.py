@@ -44,3 +44,9 @@ def test_four_ranks_image_and_handwritten_models():
 def test_huggingface_models():
     pytest.importorskip("transformers", reason="the Hugging Face parity test needs `pip install .[hf]`")
     run_parity(2, ["hf_llama", "hf_gpt2"], [12, 7])
+
+
+def test_two_ranks_folded_heads_with_alibi():
+    # BLOOM's spelling (baddbmm of an ALiBi bias on [B*H, S, D], a [B, H, S, S] view around the
+    # softmax): found as an attention region and sharded, no gather (zoo budget 0).
+    run_parity(2, ["alibi"], [12, 7])

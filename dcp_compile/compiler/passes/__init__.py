@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dcp_compile.compiler.passes.causal_masks import causal_masks_pass
 from dcp_compile.compiler.passes.find_attention import find_attention_pass
+from dcp_compile.compiler.passes.flattened_heads import unfold_head_attention_pass
 from dcp_compile.compiler.passes.insert_all_to_all import insert_all_to_all_pass
 from dcp_compile.compiler.passes.pipeline import GraphInput, GraphPass, run_passes
 from dcp_compile.compiler.passes.recompute import recompute_pass
@@ -17,6 +18,7 @@ from dcp_compile.compiler.passes.use_varlen_attention import use_varlen_attentio
 from dcp_compile.compiler.variant_selection import active_sequence_boundaries
 
 ANALYSIS_PASSES: tuple[GraphPass, ...] = (
+    GraphPass(unfold_head_attention_pass),
     GraphPass(find_attention_pass),
     GraphPass(causal_masks_pass),
     GraphPass(sequence_dims_pass),
