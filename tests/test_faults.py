@@ -13,7 +13,11 @@ from torch import nn
 
 from dcp_compile.testing.process_world import run_in_process_world
 
+# The row that expects a check to time out waits 4 s. Every other row waits 30 s: its ranks meet in
+# the first check right after their first compile, and on a loaded CI machine one rank can reach
+# it seconds after the other (a 4 s wait made the agreeing README loop time out).
 SHORT_WAIT = {"DCP_RANK_CHECK_TIMEOUT": "4"}
+CHECK_WAIT = {"DCP_RANK_CHECK_TIMEOUT": "30"}
 VOCAB, WIDTH = 32, 8
 
 
@@ -62,14 +66,14 @@ def _batches_differ(rank: int, world_size: int, same_shape: bool, check: bool = 
 
 
 def test_different_batches_of_one_shape_raise_on_every_rank():
-    for rank, result in enumerate(run_in_process_world(_batches_differ, 2, True, timeout=60, env=SHORT_WAIT)):
+    for rank, result in enumerate(run_in_process_world(_batches_differ, 2, True, timeout=60, env=CHECK_WAIT)):
         assert result["type"] == "RankMismatchError", result
         assert "rank 1 and rank 0: the same shapes, but different integer values" in result["message"], result
         assert "ranks [0, 1] of one SP group disagree" in result["message"], result
 
 
 def test_different_lengths_raise_naming_each_ranks_length():
-    for result in run_in_process_world(_batches_differ, 2, False, timeout=60, env=SHORT_WAIT):
+    for result in run_in_process_world(_batches_differ, 2, False, timeout=60, env=CHECK_WAIT):
         assert result["type"] == "RankMismatchError", result
         assert "rank 1: length 40" in result["message"] and "rank 0: length 37" in result["message"], result
 
@@ -87,7 +91,7 @@ def _same_batch(rank: int, world_size: int, check: bool) -> list[float]:
 def test_agreeing_ranks_pass_the_check_and_match_eager(checked):
     torch.manual_seed(0)
     eager = TinyAttentionLM()(torch.randint(0, VOCAB, (2, 37), generator=torch.Generator().manual_seed(0))).sum().item()
-    results = run_in_process_world(_same_batch, 2, checked, timeout=60, env=SHORT_WAIT)
+    results = run_in_process_world(_same_batch, 2, checked, timeout=60, env=CHECK_WAIT)
     assert all(abs(value - eager) < 1e-4 for value in results), (checked, results, eager)
 
 
@@ -125,7 +129,7 @@ def _different_models(rank: int, world_size: int) -> dict:
 
 
 def test_sync_gradients_over_different_models_names_what_differs():
-    for result in run_in_process_world(_different_models, 2, timeout=60, env=SHORT_WAIT):
+    for result in run_in_process_world(_different_models, 2, timeout=60, env=CHECK_WAIT):
         assert result["type"] == "RankMismatchError", result
         assert "rank 0: trainable parameters 2, parameter elements 20" in result["message"], result
         assert "rank 1: trainable parameters 4, parameter elements 30" in result["message"], result
@@ -220,14 +224,14 @@ def _rank_fails(rank: int, world_size: int, where: str) -> dict:
 
 
 def test_a_rank_failing_between_forward_and_backward_is_named_by_the_others():
-    rank0, rank1 = run_in_process_world(_rank_fails, 2, "between", timeout=60, env=SHORT_WAIT)
+    rank0, rank1 = run_in_process_world(_rank_fails, 2, "between", timeout=60, env=CHECK_WAIT)
     assert rank1["type"] == "ValueError", rank1
     assert rank0["type"] == "PeerFailureError", rank0
     assert "rank 1 failed with ValueError: injected" in rank0["message"], rank0
 
 
 def test_an_injected_out_of_memory_in_a_micro_batch_is_named_by_the_others():
-    rank0, rank1 = run_in_process_world(_rank_fails, 2, "oom", timeout=60, env=SHORT_WAIT)
+    rank0, rank1 = run_in_process_world(_rank_fails, 2, "oom", timeout=60, env=CHECK_WAIT)
     assert rank1["type"] == "OutOfMemoryError", rank1
     assert rank0["type"] == "PeerFailureError", rank0
     assert "rank 1 failed with OutOfMemoryError: injected" in rank0["message"], rank0
@@ -375,6 +379,6 @@ def _readme_loop(rank: int, world_size: int, block: str) -> list[float]:
 
 
 def test_the_readme_fault_guard_loop_runs():
-    rank0, rank1 = run_in_process_world(_readme_loop, 2, _readme_fault_guard_block(), timeout=120, env=SHORT_WAIT)
+    rank0, rank1 = run_in_process_world(_readme_loop, 2, _readme_fault_guard_block(), timeout=120, env=CHECK_WAIT)
     assert 2 in rank0["sp_sizes"], rank0  # the SP-group check ran on real SP-2 micro-batches
     assert rank0["parameters"] == rank1["parameters"]
