@@ -44,6 +44,8 @@ def test_one_line_per_compiled_variant_and_a_bar_by_default(capsys, monkeypatch)
     err = capsys.readouterr().err
     lines = _lines(err)
     assert [LINE.match(line).group(1) for line in lines] == ["sp=1/recompute=none", "sp=1/recompute=full"], err
+    analysed = [line for line in err.splitlines() if line.startswith("dcp: analysed")]
+    assert len(analysed) == 1 and re.fullmatch(r"dcp: analysed graph \d+ \(1 attention sites\) in \d+\.\ds", analysed[0]), err
     assert "dcp: compiling variants" in err and "2/2" in err, err  # the tqdm bar over the warm-up
 
 

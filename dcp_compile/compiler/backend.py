@@ -25,6 +25,7 @@ from dcp_compile.compiler.free_integers import (
 from dcp_compile.compiler.graph_capture import capture_aten_graph, retrace
 from dcp_compile.compiler.inspection import snapshots_requested
 from dcp_compile.compiler.options import parse_options
+from dcp_compile.compiler.progress import AnalysedGraph, report_compiled
 from dcp_compile.compiler.passes import ANALYSIS_PASSES, VARIANT_PASSES, run_passes
 from dcp_compile.compiler.passes.context import Analysis, PassContext
 from dcp_compile.compiler.passes.shard_sequence import SCALAR_READS
@@ -89,6 +90,7 @@ def analysed_dispatcher(aten_gm: fx.GraphModule, fake_inputs: list[Any], fake_mo
     record.classification = sequence.table() if sequence is not None else []
     record.graph = analysed
     record.trace_seconds = time.perf_counter() - start
+    report_compiled(AnalysedGraph(record.graph_id, len(record.attention_sites), record.trace_seconds))
     dispatcher = Dispatcher(parsed, record, analysed, analysis, fake_inputs, fake_mode, VARIANT_PASSES)
     if not parsed.buckets:
         # Static mode has exactly one variant: build it now, inside dynamo's compile, so that

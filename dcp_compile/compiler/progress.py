@@ -1,4 +1,5 @@
-"""What a user sees while variants compile: one line per variant, and a bar over a warm-up.
+"""What a user sees while variants compile: one line per graph analysed and per variant compiled,
+and a bar over a warm-up.
 
 A first compile takes from seconds to minutes (one per SP size and recompute policy), and silence
 that long looks like a hang. Each compiled variant is logged at INFO on this module's logger (so
@@ -25,6 +26,19 @@ _active_bar: Any = None  # the warm-up's tqdm bar while one is drawn: lines go a
 
 
 @dataclass(frozen=True)
+class AnalysedGraph:
+    """One graph traced to ATen and analysed (attention found, sequence dimensions classified):
+    done once per graph before any variant compiles, and often the longest silent part."""
+
+    graph_id: int
+    attention_sites: int
+    seconds: float
+
+    def line(self) -> str:
+        return f"dcp: analysed graph {self.graph_id} ({self.attention_sites} attention sites) in {self.seconds:.1f}s"
+
+
+@dataclass(frozen=True)
 class CompiledVariant:
     """One variant of one graph, compiled: what the progress line says."""
 
@@ -48,7 +62,7 @@ def shows_progress() -> bool:
     return os.environ.get("DCP_PROGRESS", "1") != "0" and _is_rank_zero()
 
 
-def report_compiled(event: CompiledVariant) -> None:
+def report_compiled(event: CompiledVariant | AnalysedGraph) -> None:
     """Log the line at INFO; print it too when logging would not show it (the default)."""
     log.info("%s", event.line())
     if (log.isEnabledFor(logging.INFO) and log.hasHandlers()) or not shows_progress():
