@@ -109,13 +109,17 @@ def load_tokenized(path: Path, model_path: str | None, max_length: int, rank: in
 
     def tokenize(rows):
         if tokenizer is not None:
-            return {"input_ids": tokenizer(rows["text"], truncation=True, max_length=max_length)["input_ids"]}
-        return {"input_ids": [list(text.encode())[:max_length] for text in rows["text"]]}
+            ids = tokenizer(rows["text"], truncation=True, max_length=max_length)["input_ids"]
+        else:
+            ids = [list(text.encode())[:max_length] for text in rows["text"]]
+        return {"input_ids": ids, "length": [len(sample) for sample in ids]}  # lengths: one column, not every row
 
     for turn in (0, 1):
         if (rank == 0) == (turn == 0):
             texts = load_dataset("json", data_files=str(path), split="train")
-            dataset = texts.map(tokenize, batched=True, remove_columns=["text"]).with_format("torch")
+            tokenized = texts.map(tokenize, batched=True, remove_columns=["text"])
+            # A one-token text has no label after the shift (a micro-batch of only such texts has no loss).
+            dataset = tokenized.filter(lambda n: n >= 2, input_columns="length").with_format("torch")
         dist.barrier()
     return dataset, (tokenizer.pad_token_id or 0) if tokenizer is not None else BYTE_VOCAB - 1
 
@@ -189,7 +193,7 @@ def main() -> None:
         write_texts(data, args.samples, args.tiny)
     dist.barrier()
     dataset, pad_id = load_tokenized(data, args.model, args.max_length, rank)
-    lengths = [len(ids) for ids in dataset["input_ids"]]
+    lengths = [int(n) for n in dataset["length"]]
 
     model = build_model(args).to(device)
     model = dcp.shard_model(model)  # dcp
