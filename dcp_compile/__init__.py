@@ -1,7 +1,9 @@
 """dcp-compile: Data-Centric Parallel training for any PyTorch model, as a torch.compile backend.
 
+    cost_model = dcp.CostModel(dcp.ModelProfile.measure(model, make_inputs, causal=True), dcp.Hardware.detect())
     model = torch.compile(model, backend="dcp", dynamic=True)
-    sampler = dcp.DataCentricSampler(lengths, tokens_per_step=65536, seed=0)
+    sampler = dcp.DataCentricSampler(lengths, tokens_per_step=65536, cost_model=cost_model, seed=0,
+                                     supervised_tokens=[n - 1 for n in lengths])
     for step in sampler:
         for mb in step.microbatches:
             with dcp.use(mb):
@@ -9,6 +11,8 @@
             loss.backward()
         dcp.sync_gradients(model)
         optimizer.step(); optimizer.zero_grad()
+
+(README.md, "Data-centric training", has this loop with its ``collate``; a test runs it as written.)
 
 The package is four packages whose imports point one way:
 
