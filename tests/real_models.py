@@ -1069,7 +1069,6 @@ KNOWN_GAPS: dict[str, str] = {
     "mochi": "data-dependent text-token selection (torch.nonzero in its attention processor) breaks the graph "
              "around every attention: the attentions and their projections run in eager code (refused by "
              "dcp.sync_gradients, named by dcp.check); needs capture_dynamic_output_shape_ops and a packed joint layout",
-    "cogvideox": "a sin-cos position table built from numpy inside forward is a real tensor in the fake re-trace",
     "lumina2": "per-sample caption lengths reach the graph as ints after a graph break; the padded caption buffer "
                "(a constant 26 positions) is sliced at them along the joint sequence (2 gathers, budget 1)",
     "z_image": "its padding mask (tokens padded to a multiple of 32) is an outer product of positions: gathered "

@@ -139,10 +139,30 @@ def interpret(gm: fx.GraphModule) -> Callable[..., Any]:
     return run
 
 
+def detach_data_attributes(gm: fx.GraphModule) -> int:
+    """``tensor.data`` (dynamo's ``_get_data_attr``) becomes ``aten.detach``: the same storage
+    without autograd history.
+
+    Traced as it is, ``_get_data_attr`` of a fake tensor yields a tensor the tracer does not
+    connect to its source: it is frozen into the graph as a fake constant, so a write through it
+    (CogVideoX fills its position table with ``table.data[:, text:].copy_(positions)``) is lost
+    and the compiled graph holds a fake tensor at run time. ``detach`` keeps the alias.
+    """
+    rewritten = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._autograd._get_data_attr:
+            node.target = torch.ops.aten.detach.default
+            rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
 def capture_aten_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, list[Any], Any]:
     """Dynamo's graph as a pre-dispatch ATen graph, with its fake inputs and fake mode."""
     fake_inputs, fake_mode = fake_inputs_for(example_inputs)
     inline_checkpointed_regions(gm)
+    detach_data_attributes(gm)
     capture_custom_autograd_functions(gm, fake_mode)
     aten_gm = retrace(interpret(gm), fake_inputs, fake_mode)
     return aten_gm, fake_inputs, fake_mode
