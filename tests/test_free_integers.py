@@ -1,10 +1,11 @@
-"""Integer inputs that no tensor size explains are compiled per value (``compiler/free_integers``).
+"""Integer inputs that no tensor size explains get a graph of their own at 0 and 1
+(``compiler/free_integers``).
 
 A graph break ahead of a model's body hands an ``int`` argument over as a symbolic input of its
 own (Hugging Face's ``logits_to_keep=0``): ``h[:, -keep:]`` is then a slice with an unknown
 start, which the passes could only gather. Compiled for the value 0 the slice is the whole
-sequence and stays sharded; for 3 it is a tail the passes gather correctly. Parity on two gloo
-ranks at both values, the sharding of each, and the bound on how many values get their own graph.
+sequence and stays sharded; 3 stays symbolic, a tail the passes gather correctly. Parity on two
+gloo ranks at both values, the sharding of each, and which values get a graph of their own.
 """
 
 from __future__ import annotations
@@ -72,21 +73,30 @@ def test_a_free_integer_is_compiled_per_value_sharded_and_at_parity() -> None:
     for result in results:
         assert result[0]["specialization"] == "L_keep_=0", result
         assert result[0]["fallback"] is None and result[0]["sharded"] == 1 and result[0]["gathers"] == 0, result
-        # The last 3 positions are a tail of the sequence: one gather before the slice, still sharded attention.
-        assert result[3]["specialization"] == "L_keep_=3", result
+        # 3 stays symbolic: a slice with a start the passes cannot place, gathered, attention still sharded.
+        assert result[3]["specialization"] is None, result
         assert result[3]["fallback"] is None and result[3]["sharded"] == 1 and result[3]["gathers"] <= 1, result
 
 
-def test_past_the_limit_one_symbolic_graph_serves_the_other_values(caplog: pytest.LogCaptureFixture) -> None:
-    built: list[tuple[int, ...] | None] = []
+def test_only_zeros_and_ones_are_baked_in_and_past_the_limit_the_symbolic_graph_serves() -> None:
+    built: list[tuple] = []
 
-    def build(values: tuple[int, ...] | None):
-        built.append(values)
-        return lambda *args: ("symbolic" if values is None else values)
+    def build(key: tuple):
+        built.append(key)
+        return lambda *args: key
 
-    specializations = IntegerSpecializations((1,), ("L_keep_",), build, limit=2)
+    specializations = IntegerSpecializations((1, 2), ("L_keep_", "L_frames_"), build, limit=2)
+    calls = [(0, 7), (0, 9), (1, 1), (5, 6), (0, 1), (1, 8)]
+    answers = [specializations("x", a, b) for a, b in calls]
+    # 7, 9, 5, 6 and 8 never get a graph of their own; (0, 1) and (1, 8) would be third and fourth
+    # 0/1 combinations, past the limit of 2, so the symbolic graph serves them.
+    assert answers == [(0, None), (0, None), (1, 1), (None, None), (None, None), (None, None)]
+    assert built == [(0, None), (1, 1), (None, None)]
+
+
+def test_the_limit_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    specializations = IntegerSpecializations((0,), ("L_keep_",), lambda key: (lambda *args: key), limit=1)
     with caplog.at_level(logging.WARNING, logger="dcp_compile.compiler.free_integers"):
-        answers = [specializations("x", keep) for keep in (0, 5, 0, 7, 9, 5)]
-    assert answers == [(0,), (5,), (0,), "symbolic", "symbolic", (5,)]
-    assert built == [(0,), (5,), None]
-    assert len([r for r in caplog.records if "more than 2 values" in r.getMessage()]) == 1
+        answers = [specializations(keep) for keep in (0, 1, 1, 0)]
+    assert answers == [(0,), (None,), (None,), (0,)]
+    assert len([r for r in caplog.records if "more than 1 combinations" in r.getMessage()]) == 1

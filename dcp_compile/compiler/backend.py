@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from dcp_compile.compiler.dispatcher import Dispatcher
 from dcp_compile.compiler.free_integers import (
-    IntegerSpecializations, free_integer_inputs, input_names, specialized_inputs, value_without_guard,
+    IntegerSpecializations, describe, free_integer_inputs, input_names, specialized_inputs, value_without_guard,
 )
 from dcp_compile.compiler.graph_capture import capture_aten_graph, retrace
 from dcp_compile.compiler.inspection import snapshots_requested
@@ -52,18 +52,18 @@ def dcp_backend(gm: fx.GraphModule, example_inputs: list[Any],
         return analysed_dispatcher(aten_gm, fake_inputs, fake_mode, example_inputs, parsed, start)
     names = input_names(gm, free)
 
-    def build(values: tuple[int, ...] | None) -> Dispatcher:
-        if values is None:
+    def build(key: tuple[int | None, ...]) -> Dispatcher:
+        if all(value is None for value in key):
             return analysed_dispatcher(aten_gm, fake_inputs, fake_mode, example_inputs, parsed, time.perf_counter())
         began = time.perf_counter()
-        inputs = specialized_inputs(fake_inputs, free, values)
+        inputs = specialized_inputs(fake_inputs, free, key)
         specialised = retrace(fx.Interpreter(aten_gm).run, inputs, fake_mode)
         return analysed_dispatcher(specialised, inputs, fake_mode, example_inputs, parsed, began,
-                                   specialization=", ".join(f"{n}={v}" for n, v in zip(names, values)))
+                                   specialization=describe(names, key))
 
     specializations = IntegerSpecializations(free, names, build)
     # Built now, inside dynamo's compile, like a static variant (see analysed_dispatcher).
-    specializations.dispatcher_for(tuple(value_without_guard(example_inputs[i]) for i in free))
+    specializations.dispatcher_for([value_without_guard(example_inputs[i]) for i in free])
     return specializations
 
 

@@ -1,17 +1,17 @@
-"""Integer inputs that no tensor's size explains, compiled per value.
+"""Integer inputs that no tensor's size explains, compiled per value when that value is 0 or 1.
 
 Why: a graph break can hand an ``int`` argument of the model to the next graph as a symbolic
 input of its own (Hugging Face's ``logits_to_keep=0`` reaches the decoder's last graph as ``s55``
 after a logging call breaks the graph). Nothing ties that symbol to the sequence length, so
 ``hidden[:, -logits_to_keep:]`` is a slice with an unknown start: the passes must gather the
 sequence before it, on every call, although at the only value training uses (0) the slice is the
-whole sequence. PyTorch itself specialises sizes of 0 and 1 for the same reason (their meaning
-differs). Such an input is a setting, not a size: the backend analyses and compiles the graph once
-per value it sees (the slice then starts at 0 and stays sharded), up to
-:data:`SPECIALIZATION_LIMIT` values; past that, one symbolic graph serves the rest (with a warning,
-since it may gather).
+whole sequence. PyTorch specialises sizes of 0 and 1 for the same reason: their meaning differs
+(``-0`` is the start, a size of 1 broadcasts). The backend does the same for these inputs: a 0 or
+a 1 is baked into a graph of its own (analysed and compiled for it), any other value stays
+symbolic, so data-dependent ints (a caption length, a frame count passed as an ``int``) never
+cause a compile per value. At most :data:`SPECIALIZATION_LIMIT` graphs per dynamo graph.
 
-Only inputs whose symbols appear in no tensor input's shape are specialised: a symbolic batch size
+Only inputs whose symbols appear in no tensor input's shape are considered: a symbolic batch size
 or sequence length is the point of ``dynamic=True`` and never becomes a constant here.
 """
 
@@ -56,48 +56,66 @@ def value_without_guard(value: Any) -> int:
     return int(value)
 
 
-def specialized_inputs(fake_inputs: Sequence[Any], positions: Sequence[int], values: Sequence[int]) -> list[Any]:
-    """The fake inputs with the free integers replaced by their values (the tracer then folds them)."""
+SPECIALIZED_VALUES = (0, 1)
+
+Key = tuple  # per free input: its value if it is baked in (0 or 1), else None (symbolic)
+
+
+def key_of(values: Sequence[int]) -> Key:
+    return tuple(value if value in SPECIALIZED_VALUES else None for value in values)
+
+
+def specialized_inputs(fake_inputs: Sequence[Any], positions: Sequence[int], key: Key) -> list[Any]:
+    """The fake inputs with the baked free integers replaced by their values (the tracer folds them)."""
     inputs = list(fake_inputs)
-    for position, value in zip(positions, values):
-        inputs[position] = int(value)
+    for position, value in zip(positions, key):
+        if value is not None:
+            inputs[position] = int(value)
     return inputs
 
 
 @dataclass
 class IntegerSpecializations:
-    """What the backend returns for a graph with free integer inputs: one dispatcher per value.
+    """What the backend returns for a graph with free integer inputs: one dispatcher per key.
 
-    ``build(values)`` analyses and wraps the graph for those values (``None``: symbolic). Every
-    rank of an SP group passes the same values (they come from the same batch and model), so all
-    of them build the same specialisations in the same order.
+    ``build(key)`` analyses and wraps the graph with the key's 0s and 1s baked in (an all-None
+    key: the symbolic graph). Every rank of an SP group passes the same values (they come from the
+    same batch and model), so all of them build the same graphs in the same order.
     """
 
     positions: tuple[int, ...]
     names: tuple[str, ...]
-    build: Callable[[tuple[int, ...] | None], Callable[..., Any]]
+    build: Callable[[Key], Callable[..., Any]]
     limit: int = SPECIALIZATION_LIMIT
-    dispatchers: dict[tuple[int, ...] | None, Callable[..., Any]] = field(default_factory=dict)
+    dispatchers: dict[Key, Callable[..., Any]] = field(default_factory=dict)
 
-    def dispatcher_for(self, values: tuple[int, ...]) -> Callable[..., Any]:
-        dispatcher = self.dispatchers.get(values)
+    def dispatcher_for(self, values: Sequence[int]) -> Callable[..., Any]:
+        key = key_of(values)
+        dispatcher = self.dispatchers.get(key)
         if dispatcher is not None:
             return dispatcher
-        specialised = [key for key in self.dispatchers if key is not None]
-        if len(specialised) >= self.limit:
-            if None not in self.dispatchers:
-                log.warning("dcp: the integer inputs %s took more than %d values (%s, ...): one symbolic graph "
-                            "serves every further value; it may gather where a value would have let it shard",
-                            ", ".join(self.names), self.limit, ", ".join(map(str, specialised[: self.limit])))
-                self.dispatchers[None] = self.build(None)
-            return self.dispatchers[None]
-        log.info("dcp: compiling a graph for the integer inputs %s = %s", ", ".join(self.names), values)
-        dispatcher = self.dispatchers[values] = self.build(values)
+        symbolic = tuple(None for _ in self.positions)
+        if key != symbolic and len([k for k in self.dispatchers if k != symbolic]) >= self.limit:
+            if symbolic not in self.dispatchers:
+                log.warning("dcp: the integer inputs %s took more than %d combinations of 0/1 values: one symbolic "
+                            "graph serves the rest; it may gather where a value would have let it shard",
+                            ", ".join(self.names), self.limit)
+            key = symbolic
+            if key in self.dispatchers:
+                return self.dispatchers[key]
+        if key != symbolic:
+            log.info("dcp: compiling a graph for the integer inputs %s", describe(self.names, key))
+        dispatcher = self.dispatchers[key] = self.build(key)
         return dispatcher
 
     def __call__(self, *args: Any) -> Any:
-        values = tuple(int(args[position]) for position in self.positions)
-        return self.dispatcher_for(values)(*args)
+        return self.dispatcher_for([int(args[position]) for position in self.positions])(*args)
+
+
+def describe(names: Sequence[str], key: Key) -> str | None:
+    """``L_logits_to_keep_=0`` for the baked inputs of ``key`` (None if none is baked)."""
+    baked = [f"{name}={value}" for name, value in zip(names, key) if value is not None]
+    return ", ".join(baked) or None
 
 
 def input_names(gm: fx.GraphModule, positions: Sequence[int]) -> tuple[str, ...]:
