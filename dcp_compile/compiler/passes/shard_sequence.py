@@ -167,12 +167,13 @@ def _replay_order(node: fx.Node, full: dict, chunk: dict, limit: int) -> list[fx
     return order if visit(node) else None
 
 
-# Ops that only select or re-lay out their one tensor input (no arithmetic): a chain of them ending
-# at the graph's outputs is a returned view of a value, e.g. a sliding-window K/V cache.
+# Ops that only select from their one tensor input or copy it (no arithmetic): a chain of them
+# ending at the graph's outputs is a returned selection of a value, e.g. a sliding-window K/V
+# cache. Reshapes are left out on purpose: one that splits the sequence (a DiT's unpatchify) stays
+# a recorded gather with its reason, the one gather a DiT's budget allows.
 OUTPUT_TAIL_OPS = frozenset({
-    aten.slice.Tensor, aten.narrow.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-    aten.transpose.int, aten.permute.default, aten.clone.default, aten.alias.default, aten.detach.default,
-    aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.contiguous.default,
+    aten.slice.Tensor, aten.narrow.default, aten.clone.default, aten.alias.default, aten.detach.default,
+    aten.contiguous.default,
 })
 
 
