@@ -314,7 +314,11 @@ def test_use_cache_true_warns_once_naming_use_cache_false(fake_world, monkeypatc
     warnings = [r for r in caplog.records if "use_cache=False" in r.getMessage()]
     if use_cache is False:
         assert not warnings, [r.getMessage() for r in warnings]
+        assert record.graphs[0].returned_key_values == 0 and "key/value" not in str(record)
         return
+    # dcp.explain says it too, for whoever reads the record rather than the log.
+    assert record.graphs[0].returned_key_values == 4
+    assert "returns 4 attention key/value tensors (a K/V cache)" in str(record)
     # transformers' default: 2 layers x (K, V) returned in the cache.
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
     assert "returns 4 attention key/value tensors" in warnings[0].getMessage()

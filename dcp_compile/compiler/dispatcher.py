@@ -21,7 +21,7 @@ import torch.fx as fx
 from dcp_compile.compiler.options import DCPOptions
 from dcp_compile.compiler.inner_compilers import INNER_COMPILERS, floats_already_specialized
 from dcp_compile.compiler.inspection import collecting_records, snapshots_requested
-from dcp_compile.compiler.key_value_outputs import warn_once_if_key_values_returned
+from dcp_compile.compiler.key_value_outputs import find_returned_key_values, warn_once_if_key_values_returned
 from dcp_compile.compiler.progress import CompiledVariant, report_compiled
 from dcp_compile.compiler.passes.context import Analysis, PassContext
 from dcp_compile.compiler.passes.pipeline import GraphInput, GraphPass, run_passes
@@ -143,6 +143,9 @@ class Dispatcher:
                         "(a float attribute of the model changed)", self.record.graph_id, variant, scalars)
         warn_once_if_key_values_returned(self.analysed, self.analysis.attention_sites, self.record.graph_id,
                                          variant.sp_size)
+        if variant.sp_size > 1 and self.record.returned_key_values is None:
+            found = find_returned_key_values(self.analysed, self.analysis.attention_sites, self.record.graph_id)
+            self.record.returned_key_values = len(found.positions) if found is not None else 0
         group = sp_group(variant.sp_size)
         variant_record = VariantRecord(variant, attention_sites=len(self.analysis.attention_sites))
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -95,6 +95,8 @@ class GraphRecord:
     graph: fx.GraphModule | None = None
     # Integer inputs this graph was compiled for (``L_logits_to_keep_=0``), see free_integers.
     specialization: str | None = None
+    # Outputs that are some attention's keys or values (a K/V cache): gathered on every SP>1 call.
+    returned_key_values: int | None = None
 
     def variant(self, key: Any) -> VariantRecord:
         return self.variants[key]
@@ -103,6 +105,9 @@ class GraphRecord:
         lines = [f"DCP graph {self.graph_id}"]
         if self.specialization:
             lines.append(f"  compiled for the integer inputs {self.specialization}")
+        if self.returned_key_values:
+            lines.append(f"  returns {self.returned_key_values} attention key/value tensors (a K/V cache): gathered in "
+                         "full on every SP>1 call; training needs no cache: use_cache=False")
         lines.append(f"  sequence length: {self.sequence_length or 'none (no attention found)'}")
         lines.append(f"  attention sites: {len(self.attention_sites)}")
         lines += [f"    {site}" for site in self.attention_sites]
