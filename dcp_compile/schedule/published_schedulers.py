@@ -572,6 +572,30 @@ class DCPInterScheduler(_RoundScheduler):
         time = full - (unchecked / layers) * max(0.0, full - none)
         return replace(microbatch, predicted_time=time)
 
+    def _place_round(self, chosen: list[tuple[int, list[int]]], profiles: dict[int, BucketProfile],
+                     remaining: dict[int, list[int]], buckets: dict, lengths: Sequence[int], spans: Sequence[float],
+                     round_index: int) -> list[ScheduledMicroBatch]:
+        """One round's groups: each chosen bucket's first batch plus its accumulation count of
+        further batches, placed on the cluster, with the bucket's pyramid recompute (a tail batch
+        is smaller than the profiled one, so the bucket's choice still fits)."""
+        chosen.sort(key=lambda item: -profiles[item[0]].sp_size)
+        counts = self.accumulation_counts([profiles[b].time for b, _ in chosen], self.max_accumulation, self.min_accumulation)
+        groups = []
+        for (bucket, first_batch), count in zip(chosen, counts):
+            profile = profiles[bucket]
+            batches = [first_batch]
+            for _ in range(count - 1):
+                if not remaining[bucket]:
+                    break
+                batch, remaining[bucket] = remaining[bucket][: profile.batch_size], remaining[bucket][profile.batch_size :]
+                batches.append(batch)
+            groups.append((profile.sp_size, batches, None))
+        placed = self._place(groups, lengths, spans, round_index)
+        if self.pyramid_recompute:
+            bucket_of = {p: key for key, members in buckets.items() for p in members}
+            placed = [self._pyramid(mb, self._unchecked(profiles[bucket_of[mb.positions[0]]])) for mb in placed]
+        return placed
+
     def schedule(self, lengths: Sequence[int], spans: Sequence[float] | None = None) -> Schedule:
         spans = self._spans(lengths, spans)
         self._lengths, self._spans_now = list(lengths), spans
@@ -601,26 +625,7 @@ class DCPInterScheduler(_RoundScheduler):
                     sp_buckets[sp].remove(bucket)
             if not chosen:
                 raise AssertionError("dcp-inter: no group could be formed")
-            chosen.sort(key=lambda item: -profiles[item[0]].sp_size)
-            counts = self.accumulation_counts([profiles[b].time for b, _ in chosen], self.max_accumulation, self.min_accumulation)
-            groups = []
-            for (bucket, first_batch), count in zip(chosen, counts):
-                profile = profiles[bucket]
-                batches = [first_batch]
-                for _ in range(count - 1):
-                    if not remaining[bucket]:
-                        break
-                    batch, remaining[bucket] = remaining[bucket][: profile.batch_size], remaining[bucket][profile.batch_size :]
-                    batches.append(batch)
-                groups.append((profile.sp_size, batches, None))
-            placed = self._place(groups, lengths, spans, round_index)
-            if self.pyramid_recompute:
-                # A tail batch is smaller than the profiled one, so the bucket's choice still fits.
-                bucket_of = {p: key for key, members in buckets.items() for p in members}
-                placed = [
-                    self._pyramid(mb, self._unchecked(profiles[bucket_of[mb.positions[0]]]))
-                    for mb in placed
-                ]
+            placed = self._place_round(chosen, profiles, remaining, buckets, lengths, spans, round_index)
             microbatches += placed
             round_index += 1
         return Schedule(self.world_size, microbatches, scheduler=self.name)
@@ -682,22 +687,7 @@ class DCPInterScheduler(_RoundScheduler):
                             index += 1
             if not complete or not chosen:
                 continue  # the published sampler discards a round it cannot fill
-            chosen.sort(key=lambda item: -profiles[item[0]].sp_size)
-            counts = self.accumulation_counts([profiles[b].time for b, _ in chosen], self.max_accumulation, self.min_accumulation)
-            groups = []
-            for (bucket, first_batch), count in zip(chosen, counts):
-                profile = profiles[bucket]
-                batches = [first_batch]
-                for _ in range(count - 1):
-                    if not remaining[bucket]:
-                        break
-                    batch, remaining[bucket] = remaining[bucket][: profile.batch_size], remaining[bucket][profile.batch_size :]
-                    batches.append(batch)
-                groups.append((profile.sp_size, batches, None))
-            placed = self._place(groups, lengths, spans, round_index)
-            if self.pyramid_recompute:
-                bucket_of = {p: key for key, members in buckets.items() for p in members}
-                placed = [self._pyramid(mb, self._unchecked(profiles[bucket_of[mb.positions[0]]])) for mb in placed]
+            placed = self._place_round(chosen, profiles, remaining, buckets, lengths, spans, round_index)
             microbatches += placed
             round_index += 1
         return _with_dropped(Schedule(self.world_size, microbatches, scheduler=self.name), len(lengths))
