@@ -26,6 +26,7 @@ import dcp_compile as dcp
 from dcp_compile.demo.example_models import TinyGPT
 from dcp_compile.schedule.cost_model import CostModel, ModelProfile
 from dcp_compile.schedule.hardware import Hardware
+from dcp_compile.testing.padded_batches import pad_right
 from dcp_compile.testing.process_world import ProcessWorldError, run_in_process_world
 
 WORLD_SIZE = 2
@@ -41,16 +42,6 @@ def sample_lengths() -> list[int]:
 def make_dataset() -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(11)
     return [torch.randint(1, VOCAB, (n,), generator=generator) for n in sample_lengths()]
-
-
-def collate(samples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    longest = max(len(s) for s in samples)
-    ids = torch.zeros(len(samples), longest, dtype=torch.long)
-    labels = torch.full((len(samples), longest), -100, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        ids[row, : len(sample)] = sample
-        labels[row, : len(sample)] = sample
-    return {"input_ids": ids, "labels": labels}
 
 
 def make_model(sharded: bool) -> torch.nn.Module:
@@ -80,7 +71,7 @@ def train_rank(rank: int, world_size: int, directory: str, sharded: bool, resume
     sampler = dcp.DataCentricSampler(lengths, tokens_per_step=120, cost_model=cost_model, seed=3,
                                      max_tokens_per_rank=32, supervised_tokens=[n - 1 for n in lengths])
     batches = dcp.DataCentricBatchSampler(sampler)
-    loader = DataLoader(make_dataset(), batch_sampler=batches, num_workers=0, collate_fn=collate)
+    loader = DataLoader(make_dataset(), batch_sampler=batches, num_workers=0, collate_fn=pad_right)
     model = make_model(sharded)
     compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager"})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -188,7 +179,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(tmp_path: Pa
 def test_one_process_round_trip_and_clear_errors(tmp_path: Path) -> None:
     model = make_model(sharded=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(**collate(make_dataset()[:3])).backward()
+    model(**pad_right(make_dataset()[:3])).backward()
     optimizer.step()
     path = dcp.save_checkpoint(dcp.checkpoint_path(tmp_path, 7), model=model, optimizer=optimizer, step=7)
 

@@ -19,6 +19,7 @@ from dcp_compile.demo.example_models import TinyGPT
 from dcp_compile.demo.training_demo import collate
 from dcp_compile.schedule.cost_model import CostModel, ModelProfile
 from dcp_compile.schedule.hardware import Hardware
+from dcp_compile.testing.padded_batches import pad_right
 from dcp_compile.testing.process_world import run_in_process_world
 
 WORLD_SIZE = 4
@@ -176,16 +177,6 @@ def readme_dataset() -> list[torch.Tensor]:
     return [torch.randint(1, VOCAB, (n,), generator=generator) for n in (12, 40, 20, 48, 16, 36, 9, 27, 30, 14)]
 
 
-def readme_collate(samples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    longest = max(len(s) for s in samples)
-    ids = torch.zeros(len(samples), longest, dtype=torch.long)
-    labels = torch.full((len(samples), longest), -100, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        ids[row, : len(sample)] = sample
-        labels[row, : len(sample)] = sample
-    return {"input_ids": ids, "labels": labels}
-
-
 def _readme_loop(rank: int, world_size: int, block: str) -> dict:
     import multiprocessing
 
@@ -195,7 +186,7 @@ def _readme_loop(rank: int, world_size: int, block: str) -> dict:
     dcp.create_sp_groups()
     dataset = readme_dataset()
     namespace = {"dcp": dcp, "torch": torch, "model": make_model(), "dataset": dataset,
-                 "lengths": [len(s) for s in dataset], "collate": readme_collate, "cost_model": readme_cost_model()}
+                 "lengths": [len(s) for s in dataset], "collate": pad_right, "cost_model": readme_cost_model()}
     exec(block, namespace)
     return {
         "steps": namespace["sampler"].epoch,
@@ -213,7 +204,7 @@ def test_the_readme_fsdp2_loop_runs_and_trains_the_global_batches() -> None:
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=ADAM_EPS)
     for indices in steps:
-        batch = readme_collate([dataset[i] for i in indices])
+        batch = pad_right([dataset[i] for i in indices])
         model(**batch).backward()
         optimizer.step()
         optimizer.zero_grad()
