@@ -186,7 +186,6 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dcp.create_sp_groups()  # dcp
 
     data = Path(args.data)
     if rank == 0 and not data.exists():

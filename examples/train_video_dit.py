@@ -220,7 +220,6 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dcp.create_sp_groups()  # dcp
 
     root = Path(args.data)
     if rank == 0 and not (root / "manifest.json").exists():

@@ -183,7 +183,6 @@ def _readme_loop(rank: int, world_size: int, block: str) -> dict:
     # The process world's ranks are daemon processes, which may not start DataLoader workers;
     # a torchrun rank is not a daemon.
     multiprocessing.current_process()._config["daemon"] = False
-    dcp.create_sp_groups()
     dataset = readme_dataset()
     namespace = {"dcp": dcp, "torch": torch, "model": make_model(), "dataset": dataset,
                  "lengths": [len(s) for s in dataset], "collate": pad_right, "cost_model": readme_cost_model()}

@@ -67,10 +67,7 @@ def dataset() -> list[torch.Tensor]:
 
 
 def _run_block(rank: int, world_size: int, block: str) -> dict:
-    import dcp_compile as dcp
-
-    dcp.create_sp_groups()
-    model = tiny_llama()
+    model = tiny_llama()  # no dcp.create_sp_groups(): iterating the README's sampler creates them
     namespace = {"model": model, "dataset": dataset()}
     exec(block, namespace)  # imports torch and dcp_compile itself; rebinds "model" to the compiled one
     sampler = namespace["sampler"]

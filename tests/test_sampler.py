@@ -224,3 +224,24 @@ def _plan_with_same_seed(rank: int, world_size: int) -> list[str]:
 def test_plan_hash_check_passes_when_ranks_agree() -> None:
     hashes = run_in_process_world(_plan_with_same_seed, 2, timeout=120)
     assert hashes[0] == hashes[1] and len(hashes[0]) > 1
+
+
+def _groups_before_and_after_iterating(rank: int, world_size: int) -> tuple[str, int]:
+    from dcp_compile.runtime.process_groups import sp_group
+
+    sampler = DataCentricSampler([100] * 8, tokens_per_step=400, cost_model=COST_MODEL, seed=0)
+    try:
+        sp_group(world_size)
+        before = "groups existed"
+    except ValueError as error:
+        before = str(error)
+    next(iter(sampler))
+    return before, sp_group(world_size).sp_size
+
+
+def test_iterating_the_sampler_creates_the_sp_groups_on_every_rank():
+    # A rank whose first step holds no micro-batch compiles nothing then, so the backend cannot be
+    # the one to create the groups (new_group needs every rank): the sampler does, where all start.
+    for before, size in run_in_process_world(_groups_before_and_after_iterating, 2, timeout=120):
+        assert "no process groups exist for SP size 2" in before
+        assert size == 2

@@ -98,6 +98,7 @@ class DataCentricBatchSampler:
     def steps(self, loader: Iterable[Any]) -> Iterator[LoadedStep]:
         """The rest of the current epoch as :class:`LoadedStep` s, pairing ``loader``'s batches
         (a DataLoader built with this batch sampler) with the plans they were loaded for."""
+        self.sampler.prepare_world()  # on the training thread, where every rank arrives in order
         with self._lock:
             self._handed_plans.clear()
         epoch = self._epoch

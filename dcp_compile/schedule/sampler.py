@@ -186,7 +186,7 @@ class DataCentricSampler:
         )
 
     def __iter__(self) -> Iterator[StepPlan]:
-        self._check_world()
+        self.prepare_world()
         epoch = self.epoch
         steps = self.steps(epoch)
         while self._next_step < len(steps) and self.epoch == epoch:
@@ -199,6 +199,22 @@ class DataCentricSampler:
         if self.epoch == epoch and self._next_step >= len(steps):
             self.epoch = epoch + 1
             self._next_step = 0
+
+    def prepare_world(self) -> None:
+        """Where every rank starts iterating: check the world, then create the SP groups.
+
+        The backend creates the groups when it compiles its first graph, but a rank whose first
+        step holds no micro-batch compiles nothing then, and ``new_group`` must be called by every
+        rank in the same order: creating them here (idempotent) saves the user a
+        ``dcp.create_sp_groups()`` line.
+        """
+        self._check_world()
+        import torch.distributed as dist
+
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            from dcp_compile.runtime.process_groups import create_sp_groups
+
+            create_sp_groups(extra_sizes=list(self.planner.sizes))
 
     def _check_world(self) -> None:
         """The world this sampler planned for is the one it runs in (or no world is initialised)."""
