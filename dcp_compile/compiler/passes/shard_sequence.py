@@ -177,6 +177,10 @@ OUTPUT_TAIL_OPS = frozenset({
 })
 
 
+# Selections along a dimension other than the sequence (a sample of the batch, a range of them).
+BATCH_SELECTIONS = frozenset({aten.select.int, aten.slice.Tensor, aten.narrow.default})
+
+
 def _output_tail(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes of :data:`OUTPUT_TAIL_OPS` whose every use is the output or another such node."""
     tail: set[fx.Node] = set()
@@ -298,6 +302,9 @@ class ShardingInterpreter(fx.Interpreter):
         replayed = self._replay_full(node)
         if replayed is not None:
             return replayed
+        selected = self._selected_from_full_source(node, reason, consumer)
+        if selected is not None:
+            return selected
         value = self.chunk[node]
         if consumer is not None and consumer in self.output_tail and _is_tensor(value) and self.sp_size > 1:
             seq = self._seq_of(node)
@@ -316,6 +323,35 @@ class ShardingInterpreter(fx.Interpreter):
             self.gathers.append(record)
             log.info("dcp: %s", record)
         return gathered
+
+    def _selected_from_full_source(self, node: fx.Node, reason: str, consumer: fx.Node | None) -> Any:
+        """A selection across the batch (``hidden[i]``) of a chunked value, in full, from one gather.
+
+        A model that unpatchifies each sample on its own (``hidden[i][text:]`` per ``i``) would
+        otherwise gather every sample's selection separately: the same bytes in B collectives.
+        When the source has two or more such selections, or is gathered already, it is gathered
+        once and each selection is taken from it.
+        """
+        if node.op != "call_function" or node.target not in BATCH_SELECTIONS:
+            return None
+        source = node.args[0]
+        if not isinstance(source, fx.Node) or source not in self.chunk or not _is_tensor(self.chunk[source]):
+            return None
+        seq = self._seq_of(source)
+        rank = self.chunk[source].dim()
+        dim = node.args[1] % rank
+        if not seq.plain or dim == seq.dim:
+            return None
+        # Selections whose own consumers run on full values (they will be gathered too).
+        siblings = [user for user in source.users if user.op == "call_function" and user.target in BATCH_SELECTIONS
+                    and user.args[1] % rank == dim and any(c not in self.plan.sharded_nodes for c in user.users)]
+        if source not in self.full and len(siblings) < 2:
+            return None
+        full = self.as_full(source, reason, consumer)
+        args = fx.map_arg(node.args[1:], self.as_full)
+        kwargs = fx.map_arg(node.kwargs, self.as_full)
+        self.full[node] = self.call_function(node.target, (full, *args), kwargs)
+        return self.full[node]
 
     def _gathered_for_output(self, node: fx.Node, local: torch.Tensor, seq: SequenceDim, consumer: fx.Node) -> Any:
         """``node`` in full for a consumer whose result is only reshaped into graph outputs.
