@@ -942,11 +942,13 @@ def _classify(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
         if result.role == TOKEN_LOCAL and not result.dims:
             return RuleResult(NONE)
     elif result.role == TOKEN_LOCAL:
-        # An op that keeps one sequence dimension but creates another (an expand of a mask) mixes.
-        created = _sized_source(node, analysis)
-        extra = {d.dim for d in created.dims} - {d.dim for d in result.dims}
-        if extra:
-            return RuleResult(MIXING, (), (), "creates a second sequence dimension")
+        # An op that keeps one sequence dimension but creates another (an expand of a mask, or a
+        # bias over keys broadcast against a [B, 1, S, S] mask as Falcon's ALiBi is) mixes.
+        value = _val(node)
+        if isinstance(value, torch.Tensor) and analysis.length is not None:
+            sized = {d for d, size in enumerate(shape_of(value)) if _equal(size, analysis.length)}
+            if sized - {d.dim for d in result.dims}:
+                return RuleResult(MIXING, (), (), "creates a second sequence dimension")
     elif result.role == MIXING and not result.rewrite and not result.dims:
         # A sequence-mixing op runs on the full sequence, but its output (a cumsum of a mask, a
         # gathered unpatchify's neighbour) may still be indexed by it: record where, so that
