@@ -141,11 +141,10 @@ class Dispatcher:
         if (variant, scalars) != (variant, ()) and any(key[0] == variant for key in self.compiled):
             log.warning("dcp: graph %d variant %s recompiles for new values of its float inputs %s "
                         "(a float attribute of the model changed)", self.record.graph_id, variant, scalars)
-        warn_once_if_key_values_returned(self.analysed, self.analysis.attention_sites, self.record.graph_id,
-                                         variant.sp_size)
-        if variant.sp_size > 1 and self.record.returned_key_values is None:
+        if variant.sp_size > 1 and self.record.returned_key_values is None:  # once per graph
             found = find_returned_key_values(self.analysed, self.analysis.attention_sites, self.record.graph_id)
             self.record.returned_key_values = len(found.positions) if found is not None else 0
+            warn_once_if_key_values_returned(found, variant.sp_size)
         group = sp_group(variant.sp_size)
         variant_record = VariantRecord(variant, attention_sites=len(self.analysis.attention_sites))
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

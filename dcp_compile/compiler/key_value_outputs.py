@@ -63,19 +63,16 @@ def find_returned_key_values(gm: fx.GraphModule, attention_sites: list, graph_id
     return ReturnedKeyValues(graph_id, positions) if positions else None
 
 
-def warn_once_if_key_values_returned(gm: fx.GraphModule, attention_sites: list, graph_id: int, sp_size: int) -> bool:
+def warn_once_if_key_values_returned(found: ReturnedKeyValues | None, sp_size: int) -> bool:
     """Log one warning per process when an SP>1 variant returns K/V; True when it warned now."""
     global _warned
-    if _warned or sp_size <= 1:
-        return False
-    found = find_returned_key_values(gm, attention_sites, graph_id)
-    if found is None:
+    if _warned or sp_size <= 1 or found is None:
         return False
     _warned = True
     log.warning(
         "dcp: graph %d returns %d attention key/value tensors (a K/V cache, e.g. Hugging Face's default "
         "use_cache=True): at SP %d every call gathers them to the full sequence on every rank and keeps them "
         "alive; training needs no cache: set use_cache=False (model.config.use_cache = False, or pass "
-        "use_cache=False to the forward)", graph_id, len(found.positions), sp_size,
+        "use_cache=False to the forward)", found.graph_id, len(found.positions), sp_size,
     )
     return True
