@@ -550,6 +550,57 @@ class JointDiTModel(nn.Module):
         return out + self.text_head(text).mean(1)[:, :, None, None]
 
 
+class TwoStreamBlock(nn.Module):
+    """LTX-2's audio-video block: a long (video) and a short (audio) stream, each attending over
+    itself and then over the other. Video queries over audio keys read a replicated context;
+    audio queries over video keys read the sharded tokens: their keys and values go to the rank's
+    heads, the audio queries are cut to the same heads and their output is gathered over heads.
+    Three heads, so at SP 2 and 4 the heads are padded."""
+
+    def __init__(self, video_dim: int, audio_dim: int, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        inner = num_heads * head_dim
+        self.num_heads = num_heads
+        self.video_qkv, self.audio_qkv = nn.Linear(video_dim, 3 * inner), nn.Linear(audio_dim, 3 * inner)
+        self.video_self_out, self.audio_self_out = nn.Linear(inner, video_dim), nn.Linear(inner, audio_dim)
+        self.video_cross_q, self.audio_cross_kv = nn.Linear(video_dim, inner), nn.Linear(audio_dim, 2 * inner)
+        self.audio_cross_q, self.video_cross_kv = nn.Linear(audio_dim, inner), nn.Linear(video_dim, 2 * inner)
+        self.video_cross_out, self.audio_cross_out = nn.Linear(inner, video_dim), nn.Linear(inner, audio_dim)
+        self.video_norm, self.audio_norm = nn.LayerNorm(video_dim), nn.LayerNorm(audio_dim)
+
+    def _heads(self, x: Tensor, parts: int) -> tuple[Tensor, ...]:
+        B, S, _ = x.shape
+        return x.view(B, S, parts, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+    def forward(self, video: Tensor, audio: Tensor) -> tuple[Tensor, Tensor]:
+        video = video + self.video_self_out(self._attend(*self._heads(self.video_qkv(self.video_norm(video)), 3)))
+        audio = audio + self.audio_self_out(self._attend(*self._heads(self.audio_qkv(self.audio_norm(audio)), 3)))
+        (video_q,), (audio_q,) = self._heads(self.video_cross_q(video), 1), self._heads(self.audio_cross_q(audio), 1)
+        audio_k, audio_v = self._heads(self.audio_cross_kv(audio), 2)
+        video_k, video_v = self._heads(self.video_cross_kv(video), 2)
+        video_out = video + self.video_cross_out(self._attend(video_q, audio_k, audio_v))
+        audio_out = audio + self.audio_cross_out(self._attend(audio_q, video_k, video_v))
+        return video_out, audio_out
+
+
+class TwoStreamModel(nn.Module):
+    """Two token streams with cross-attention both ways (LTX-2's audio+video transformer).
+    ``forward(video [B, S, 24], audio [B, 5, 16]) -> (video [B, S, 24], audio [B, 5, 16])``:
+    only the video stream grows with the sample, so only it is sharded."""
+
+    def __init__(self, video_dim: int = 24, audio_dim: int = 16, num_heads: int = 3, head_dim: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([TwoStreamBlock(video_dim, audio_dim, num_heads, head_dim) for _ in range(2)])
+
+    def forward(self, video: Tensor, audio: Tensor) -> tuple[Tensor, Tensor]:
+        for block in self.blocks:
+            video, audio = block(video, audio)
+        return video, audio
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. ViT-style encoder
 # ---------------------------------------------------------------------------------------------
@@ -1045,6 +1096,19 @@ def _joint_dit_inputs(seq_len: int, batch_size: int, g: torch.Generator) -> dict
     return {"x": torch.randn(batch_size, 4, H, W, generator=g), "text": torch.randn(batch_size, 5, 24, generator=g)}
 
 
+def _two_stream_inputs(seq_len: int, batch_size: int, g: torch.Generator) -> dict[str, Tensor]:
+    return {"video": torch.randn(batch_size, seq_len, 24, generator=g), "audio": torch.randn(batch_size, 5, 16, generator=g)}
+
+
+def _two_stream_loss(outputs: tuple[Tensor, Tensor]) -> Tensor:
+    video, audio = outputs
+    return video.float().pow(2).mean() + audio.float().pow(2).mean()
+
+
+def _video_len(inputs: Mapping[str, Tensor]) -> int:
+    return inputs["video"].shape[1]
+
+
 def _tensor_loss(outputs: Tensor) -> Tensor:
     return outputs.float().pow(2).mean()
 
@@ -1089,6 +1153,7 @@ ZOO: dict[str, ZooCase] = {
         ZooCase("custom_function", CustomFunctionGPT, _lm_inputs, _lm_loss, _ids_len, causal=True),
         ZooCase("moe", MoEGPT, _lm_inputs, _lm_loss, _ids_len, causal=True),
         ZooCase("alibi", ALiBiGPT, _lm_inputs, _lm_loss, _ids_len, causal=True),
+        ZooCase("two_stream", TwoStreamModel, _two_stream_inputs, _two_stream_loss, _video_len),
         ZooCase("no_attention", NoAttentionModel, _ids_only_inputs, _tensor_loss, _ids_len),
         ZooCase(
             "hf_llama", tiny_llama, _hf_lm_inputs, _lm_loss, _ids_len,

@@ -1066,9 +1066,6 @@ QUICK = {  # about a minute each on CI's 2 cores: the rest run after them while 
 # parity: a gap means extra gathers or an unsharded site, which stay exact); non-strict because a
 # fix of the mechanism turns them green one by one. The next plan takes them from here.
 KNOWN_GAPS: dict[str, str] = {
-    "ltx2": "audio-to-video cross-attention: the audio stream's queries (replicated, another sequence) attend "
-            "over the sharded video tokens, whose keys and values are gathered (4 gathers, budget 0); a head "
-            "all-to-all of K/V with the queries cut to the rank's heads would avoid it",
     "mochi": "data-dependent text-token selection (torch.nonzero in its attention processor) breaks the graph "
              "around every attention: the attentions and their projections run in eager code (refused by "
              "dcp.sync_gradients, named by dcp.check); needs capture_dynamic_output_shape_ops and a packed joint layout",

@@ -50,3 +50,9 @@ def test_two_ranks_folded_heads_with_alibi():
     # BLOOM's spelling (baddbmm of an ALiBi bias on [B*H, S, D], a [B, H, S, S] view around the
     # softmax): found as an attention region and sharded, no gather (zoo budget 0).
     run_parity(2, ["alibi"], [12, 7])
+
+
+def test_two_ranks_replicated_queries_over_sharded_tokens():
+    # LTX-2's audio queries attend over the sharded video tokens: the keys and values go to the
+    # rank's heads, the queries are cut to them, the output is gathered over (padded) heads.
+    run_parity(2, ["two_stream"], [12, 7])

@@ -133,11 +133,12 @@ def _present(segment: Any) -> bool:
 
 
 def ulysses_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, full_length,
-                      key_is_chunk, value_is_chunk, query_joint=False, key_joint=False, before=0, after=0, *,
-                      sp_size: int, rank: int, group: str) -> torch.Tensor:
+                      key_is_chunk, value_is_chunk, query_joint=False, key_joint=False, before=0, after=0,
+                      query_replicated=False, *, sp_size: int, rank: int, group: str) -> torch.Tensor:
     """Ulysses around one attention. A joint sequence (``[text | image chunk | text]`` on every
     rank) sends only the image chunk through the all-to-all; the replicated text segments are
-    cut to the rank's heads locally and, after attention, gathered back to every head."""
+    cut to the rank's heads locally and, after attention, gathered back to every head. Replicated
+    queries of another stream (``query_replicated``) are handled the same way as a whole."""
     three_dim = query.dim() == 3
     if three_dim:  # [N, S, D] hand-written attention: treat N as the head dimension
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -163,7 +164,9 @@ def ulysses_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
             return joint_to_heads(tensor, kv_layout) if key_joint else sequence_to_heads(tensor, kv_layout, lengths, group)
         return select_heads(tensor, kv_layout.of_rank(rank), False)
 
-    if query_joint:
+    if query_replicated:
+        query_heads = select_heads(query, query_layout.of_rank(rank), False)
+    elif query_joint:
         local = query.shape[2] - before - after
         query_heads = joint_to_heads(query, query_layout)
     else:
@@ -174,7 +177,9 @@ def ulysses_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
         query_heads, key_heads, value_heads, attn_mask=mask, dropout_p=dropout_p,
         is_causal=is_causal, scale=scale, enable_gqa=gqa,
     )
-    if query_joint:
+    if query_replicated:
+        out = gather_heads(out, query.shape[1], sp_size, group)
+    elif query_joint:
         leading, chunk, trailing = out.narrow(2, 0, before), out.narrow(2, before, full_length), \
             out.narrow(2, before + full_length, after)
         parts = [gather_heads(leading, query.shape[1], sp_size, group)] if _present(before) else []

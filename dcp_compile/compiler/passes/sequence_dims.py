@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from dcp_compile.compiler.custom_autograd import custom_autograd_function, function_of
 from dcp_compile.compiler.passes.context import PassContext
-from dcp_compile.compiler.passes.find_attention import SDPA, AttentionSite
+from dcp_compile.compiler.passes.find_attention import SDPA, AttentionSite, sdpa_argument
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -291,6 +291,10 @@ def _attention_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     seq = _single(analysis.dims_of(query))
     if seq is not None and seq.dim < rank - 2:
         return _rank_local_attention(node, analysis, seq)
+    if not analysis.dims_of(query):
+        replicated = _replicated_query_attention(node, analysis)
+        if replicated is not None:
+            return replicated
     if seq is None or seq.dim != rank - 2 or not seq.unflattened:
         return _mixing("attention whose queries are not sequence-indexed on dim -2", node, analysis)
     aligned = [query]
@@ -307,6 +311,24 @@ def _attention_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     if len(kv_layouts) > 1 or (seq.joint and kv_layouts != {seq}):
         return _mixing("joint attention whose queries and keys/values are segmented differently", node, analysis)
     return RuleResult(ATTENTION, (seq,), tuple(aligned))
+
+
+def _replicated_query_attention(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult | None:
+    """Queries of another, replicated stream (LTX-2's audio tokens) attending over the sharded
+    tokens: the keys and values go to the rank's heads through the usual all-to-all, the
+    queries are cut to the same heads locally, and the output, whole over its own (short)
+    sequence, is gathered over heads. The alternative, gathering the keys and values, moves
+    ``sp_size`` times the bytes of the all-to-all."""
+    query, key, value = node.args[:3]
+    rank = _val(query).dim()
+    kv_seqs = {_single(analysis.dims_of(other)) for other in (key, value)}
+    if len(kv_seqs) != 1:
+        return None
+    seq = kv_seqs.pop()
+    if seq is None or seq.dim != rank - 2 or not seq.plain or bool(sdpa_argument(node, "is_causal")):
+        return None
+    return _mixing("attention from replicated queries over the sharded keys/values", node, analysis,
+                   rewrite="replicated_query_attention", aligned=(key, value))
 
 
 def _rank_local_attention(node: fx.Node, analysis: SequenceAnalysis, seq: SequenceDim) -> RuleResult:

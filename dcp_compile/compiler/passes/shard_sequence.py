@@ -569,6 +569,35 @@ class ShardingInterpreter(fx.Interpreter):
             after,
         )
 
+    def _rewrite_replicated_query_attention(self, n: fx.Node) -> Any:
+        """Replicated queries over sharded keys/values: the marker, flagged so the lowering cuts
+        the queries to the rank's heads and gathers the output over heads."""
+        query, key, value = n.args[:3]
+        mask = sdpa_argument(n, "attn_mask")
+        if self.length is None:
+            raise CannotShard("attention before the sequence length is known")
+        self.sharded_sites.append(n.name)
+        self.rewrites.append(f"{n.name}: replicated queries over the sharded keys/values "
+                             "(keys/values to heads, output gathered over heads)")
+        return torch.ops.dcp.sharded_attention(
+            self.as_full(query, consumer=n),
+            self.as_chunk(key),
+            self.as_chunk(value),
+            self.as_full(mask, "the mask of an attention is read in full", consumer=n) if mask is not None else None,
+            float(sdpa_argument(n, "dropout_p")),
+            False,
+            sdpa_argument(n, "scale"),
+            bool(sdpa_argument(n, "enable_gqa")),
+            self.length,
+            True,
+            True,
+            False,
+            False,
+            0,
+            0,
+            query_replicated=True,
+        )
+
     def _region_attention(self, n: fx.Node, aligned: set[fx.Node]) -> Any:
         """A hand-written attention region under Ulysses, lowered here: its ops are arbitrary
         head-local elementwise functions of the scores, which no marker op could carry. q, k, v

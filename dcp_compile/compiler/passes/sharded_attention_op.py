@@ -4,7 +4,7 @@ After ``shard_sequence`` every attention's queries (and its keys/values, for sel
 the rank's sequence chunk; attention itself cannot run on a chunk. The pass therefore writes this
 op, which carries everything ``insert_all_to_all`` needs (the full sequence length as a SymInt,
 which operands are chunks, and for joint attention the replicated text segments around the
-chunk), and that pass replaces it. Its eager implementation refuses to run:
+chunk, or that the queries are a replicated stream's), and that pass replaces it. Its eager implementation refuses to run:
 a graph that still holds it was not finished.
 """
 
@@ -32,6 +32,7 @@ def sharded_attention(
     key_joint: bool,
     before: int,
     after: int,
+    query_replicated: bool = False,
 ) -> torch.Tensor:
     raise RuntimeError(
         "dcp::sharded_attention is a marker for the insert_all_to_all pass and cannot run; "
@@ -41,5 +42,5 @@ def sharded_attention(
 
 @sharded_attention.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, full_length,
-      key_is_chunk, value_is_chunk, query_joint, key_joint, before, after):
+      key_is_chunk, value_is_chunk, query_joint, key_joint, before, after, query_replicated=False):
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
