@@ -83,7 +83,7 @@ def exact_search(state: PlanState, node_budget: int) -> None:
             policy = planner.policy_for(level, tokens)
             if policy < 0:
                 continue
-            time = planner.micro_batch_time(level, policy, tokens, m[6] + key)
+            time = planner.micro_batch_time(level, policy, tokens, m[6] + key, len(m[8]) + 1)
             delta = time - m[7]
             first, size = m[2], m[3]
             new_max = current_max
@@ -110,7 +110,7 @@ def exact_search(state: PlanState, node_budget: int) -> None:
             k = block - planner.block_offset[level]
             if symmetric_duplicate(level, k):
                 continue
-            time = planner.micro_batch_time(level, policy, length, key)
+            time = planner.micro_batch_time(level, policy, length, key, 1)
             new_max = current_max
             for r in range(first, first + size):
                 loads[r] += time

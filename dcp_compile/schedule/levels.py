@@ -22,6 +22,7 @@ def choose_levels(state: PlanState) -> None:
     """Set ``state.level``, ``state.alone_time`` and ``state.average_load`` for every sequence."""
     planner = state.planner
     fixed0, per_token0, per_key0 = planner.fixed[0][0], planner.per_token[0][0], planner.per_key[0][0]
+    per_sequence0 = planner.per_sequence[0][0]
     base_capacity = planner.capacity[0][0]
     fast = planner.fast_path
     amortised0 = fixed0 / base_capacity if base_capacity else 0.0
@@ -34,7 +35,7 @@ def choose_levels(state: PlanState) -> None:
         length = lengths[i]
         key = keys[i]
         if fast and length <= base_capacity:
-            variable = per_token0 * length + per_key0 * key
+            variable = per_token0 * length + per_key0 * key + per_sequence0
             work[i] = variable + amortised0 * length
             times[i] = fixed0 + variable
             continue
@@ -55,7 +56,7 @@ def least_work_choice(planner: "Planner", length: int, key: float) -> tuple[int,
     (where it then runs the fastest policy that fits).
     """
     capacity, sizes = planner.capacity, planner.sizes
-    fixed, per_token, per_key = planner.fixed, planner.per_token, planner.per_key
+    fixed, per_token, per_key, per_sequence = planner.fixed, planner.per_token, planner.per_key, planner.per_sequence
     levels = planner.levels
     best = None
     seen = -1
@@ -68,7 +69,7 @@ def least_work_choice(planner: "Planner", length: int, key: float) -> tuple[int,
         q = 0
         while length > row[q]:
             q += 1
-        variable = per_token[j][q] * length + per_key[j][q] * key
+        variable = per_token[j][q] * length + per_key[j][q] * key + per_sequence[j][q]
         work = sizes[j] * (variable + fixed[j][q] * length / row[q])
         if best is None or work < best[1]:
             best = (j, work, fixed[j][q] + variable)

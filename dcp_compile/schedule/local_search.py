@@ -157,7 +157,7 @@ def _best_consolidation(state: PlanState, critical: int, threshold: float) -> tu
         if tokens > planner.max_capacity[level]:
             continue
         policy = planner.policy_for(level, tokens)
-        time = planner.micro_batch_time(level, policy, tokens, sum(mb.keys for mb in mbs))
+        time = planner.micro_batch_time(level, policy, tokens, sum(mb.keys for mb in mbs), sum(len(mb.members) for mb in mbs))
         value = above[level + 1] + time
         if value < threshold:
             threshold = value
@@ -177,7 +177,7 @@ def _consolidate(state: PlanState, level: int, k: int, _value: float) -> None:
     tokens = sum(state.lengths[i] for i in members)
     keys = sum(state.keys[i] for i in members)
     policy = planner.policy_for(level, tokens)
-    time = planner.micro_batch_time(level, policy, tokens, keys)
+    time = planner.micro_batch_time(level, policy, tokens, keys, len(members))
     mb = DraftMicroBatch(level, block, policy, tokens, keys, time, members)
     state.block_mbs[block].append(mb)
     for i in members:
@@ -214,8 +214,9 @@ def _find_swap(state: PlanState, critical: int, makespan: float, maxima: list[fl
         for mb in state.block_mbs[dst_block]:
             per_token = planner.per_token[level][mb.policy]
             per_key = planner.per_key[level][mb.policy]
+            per_sequence = planner.per_sequence[level][mb.policy]
             for k in mb.members:
-                candidates.append((per_token * state.lengths[k] + per_key * state.keys[k], k))
+                candidates.append((per_token * state.lengths[k] + per_key * state.keys[k] + per_sequence, k))
         if not candidates:
             continue
         candidates.sort()
@@ -223,8 +224,9 @@ def _find_swap(state: PlanState, critical: int, makespan: float, maxima: list[fl
         for mb in state.block_mbs[src_block]:
             per_token = planner.per_token[level][mb.policy]
             per_key = planner.per_key[level][mb.policy]
+            per_sequence = planner.per_sequence[level][mb.policy]
             for i in mb.members:
-                own = per_token * state.lengths[i] + per_key * state.keys[i]
+                own = per_token * state.lengths[i] + per_key * state.keys[i] + per_sequence
                 position = bisect_left(values, own - gap / 2)
                 for index in (position - 1, position):
                     if not 0 <= index < len(candidates):
@@ -270,7 +272,8 @@ def merge_micro_batches(state: PlanState) -> None:
                     if tokens > capacity[policy]:
                         continue
                     policy = planner.policy_for(level, tokens)
-                    time = planner.micro_batch_time(level, policy, tokens, first.keys + second.keys)
+                    time = planner.micro_batch_time(level, policy, tokens, first.keys + second.keys,
+                                                   len(first.members) + len(second.members))
                     # a slower policy for one side's tokens can cost more than the fixed cost saved
                     if time < first.time + second.time - EPSILON:
                         merge = (b, policy, time)

@@ -50,7 +50,7 @@ def _place_on_level(state: PlanState, level: int, items: list[int]) -> None:
     offset = planner.block_offset[level]
     lengths, keys = state.lengths, state.keys
     capacity = planner.capacity[level]
-    per_token, per_key = planner.per_token[level], planner.per_key[level]
+    per_token, per_key, per_sequence = planner.per_token[level], planner.per_key[level], planner.per_sequence[level]
     block_mbs = state.block_mbs
     seq_mb = state.seq_mb
     level_of = state.level
@@ -75,7 +75,7 @@ def _place_on_level(state: PlanState, level: int, items: list[int]) -> None:
             q = mb.policy
             if mb.tokens + length <= capacity[q]:
                 key = keys[i]
-                delta = per_token[q] * length + per_key[q] * key
+                delta = per_token[q] * length + per_key[q] * key + per_sequence[q]
                 mb.tokens += length
                 mb.keys += key
                 mb.time += delta

@@ -134,8 +134,9 @@ class Planner:
         self.fixed = [[0.0] * policies for _ in sizes]
         self.per_token = [[0.0] * policies for _ in sizes]
         self.per_key = [[0.0] * policies for _ in sizes]
-        # What each sample costs on every rank of its group (a DiT's text context). The search does
-        # not weigh it; the plan's micro-batch times include it (``PlanningState.to_schedule``).
+        # What each sample costs on every rank of its group whatever its length (a DiT's caption:
+        # its key/value projections run in full on every rank). Every phase prices it: a short
+        # clip on 4 ranks pays its caption 4 times in rank-seconds, which is why it runs on 1.
         self.per_sequence = [[0.0] * policies for _ in sizes]
         self.capacity = [[0] * policies for _ in sizes]
         for j, size in enumerate(sizes):
@@ -167,6 +168,7 @@ class Planner:
         self.fast_path = base_capacity > 0 and all(
             size * self.per_token[j][p] >= self.per_token[0][0] + self.fixed[0][0] / base_capacity - EPSILON
             and size * self.per_key[j][p] >= self.per_key[0][0] - EPSILON
+            and size * self.per_sequence[j][p] >= self.per_sequence[0][0] - EPSILON
             for j, size in enumerate(sizes)
             for p in range(policies)
             if (j, p) != (0, 0)
@@ -183,9 +185,11 @@ class Planner:
                 return p
         return -1
 
-    def micro_batch_time(self, level: int, policy: int, tokens: int, keys: float) -> float:
-        """Seconds of a micro-batch of ``tokens`` (``keys`` token-keys) at ``level`` under ``policy``."""
-        return self.fixed[level][policy] + self.per_token[level][policy] * tokens + self.per_key[level][policy] * keys
+    def micro_batch_time(self, level: int, policy: int, tokens: int, keys: float, sequences: int) -> float:
+        """Seconds of a micro-batch of ``sequences`` sequences, ``tokens`` tokens (``keys``
+        token-keys) at ``level`` under ``policy``."""
+        return (self.fixed[level][policy] + self.per_token[level][policy] * tokens + self.per_key[level][policy] * keys
+                + self.per_sequence[level][policy] * sequences)
 
     # ------------------------------------------------------------------ public API
     def plan(self, lengths: Sequence[int], spans: Sequence[float] | None = None) -> Schedule:

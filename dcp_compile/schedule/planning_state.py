@@ -33,7 +33,7 @@ class DraftMicroBatch:
     """A micro-batch while the step is being planned (mutable; becomes a ``ScheduledMicroBatch``).
 
     ``policy`` indexes ``RECOMPUTE_POLICIES``; ``time`` is the cost model's time of the whole
-    micro-batch on its block.
+    micro-batch on its block (its per-sequence context work included).
     """
 
     __slots__ = ("level", "block", "policy", "tokens", "keys", "time", "members")
@@ -78,7 +78,7 @@ class PlanState:
             for j in range(planner.levels):
                 p = planner.policy_for(j, length)
                 if p >= 0:
-                    cached.append((j, p, planner.micro_batch_time(j, p, length, key)))
+                    cached.append((j, p, planner.micro_batch_time(j, p, length, key, 1)))
             self._options_cache[signature] = cached
         return cached
 
@@ -140,10 +140,11 @@ class PlanState:
         capacity = planner.capacity[level]
         max_capacity = planner.max_capacity[level]
         fixed, per_token, per_key = planner.fixed[level], planner.per_token[level], planner.per_key[level]
+        per_sequence = planner.per_sequence[level]
         p = planner.policy_for(level, length)
         if p < 0:
             return float("inf"), None, -1
-        best_delta = fixed[p] + per_token[p] * length + per_key[p] * key
+        best_delta = fixed[p] + per_token[p] * length + per_key[p] * key + per_sequence[p]
         best_mb = None
         best_policy = p
         policy_count = len(capacity)
@@ -158,7 +159,8 @@ class PlanState:
                 q += 1
             if q == policy_count:
                 continue
-            delta = fixed[q] + per_token[q] * tokens + per_key[q] * (mb.keys + key) - mb.time
+            delta = (fixed[q] + per_token[q] * tokens + per_key[q] * (mb.keys + key)
+                     + per_sequence[q] * (len(mb.members) + 1) - mb.time)
             if delta < best_delta - EPSILON:
                 best_delta, best_mb, best_policy = delta, mb, q
         return best_delta, best_mb, best_policy
@@ -172,7 +174,7 @@ class PlanState:
         tokens = mb.tokens - self.lengths[i]
         planner = self.planner
         q = planner.policy_for(mb.level, tokens)
-        new_time = planner.micro_batch_time(mb.level, q, tokens, mb.keys - self.keys[i])
+        new_time = planner.micro_batch_time(mb.level, q, tokens, mb.keys - self.keys[i], len(mb.members) - 1)
         return new_time - mb.time, q
 
     def add(self, i: int, level: int, block: int, mb: DraftMicroBatch | None, policy: int, delta: float,
@@ -245,7 +247,7 @@ class PlanState:
                             sp_size=size,
                             first_rank=k * size,
                             recompute=RECOMPUTE_POLICIES[mb.policy],
-                            predicted_time=mb.time + planner.per_sequence[level][mb.policy] * len(mb.members),
+                            predicted_time=mb.time,
                             tokens=mb.tokens,
                         )
                     )
