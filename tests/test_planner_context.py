@@ -72,3 +72,21 @@ def test_pricing_the_context_never_makes_a_plan_worse(seed: int) -> None:
         blind = context_blind(Planner(VIDEO_MODEL, world)).plan(lengths)
         assert true_makespan(VIDEO_MODEL, aware, lengths) <= true_makespan(VIDEO_MODEL, blind, lengths) * 1.01
         assert aware.makespan == pytest.approx(true_makespan(VIDEO_MODEL, aware, lengths), rel=1e-9)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("seed", range(3))
+def test_equal_length_packing_keeps_every_micro_batch_to_one_length(world: int, seed: int) -> None:
+    from dcp_compile.schedule.planner import PlannerConfig
+
+    rng = random.Random(seed)
+    lengths = [rng.choice([IMAGE] * 4 + [400, 1200, 9600]) for _ in range(rng.randint(3, 80))]
+    config = PlannerConfig(pack_equal_lengths_only=True)
+    schedule = Planner(VIDEO_MODEL, world, config=config).plan(lengths)
+    schedule.validate(len(lengths))
+    assert all(len({lengths[p] for p in mb.positions}) == 1 for mb in schedule.microbatches)
+    mixed = Planner(VIDEO_MODEL, world).plan(lengths)
+    # the constraint can only cost time on the cost model (it forbids some packings)
+    assert schedule.makespan >= Planner(VIDEO_MODEL, world).lower_bound(lengths) * (1 - 1e-9)
+    if seed == 0 and world == 8:  # the unconstrained planner does mix lengths here
+        assert any(len({lengths[p] for p in mb.positions}) > 1 for mb in mixed.microbatches)

@@ -44,6 +44,7 @@ def exact_search(state: PlanState, node_budget: int) -> None:
     best_value = incumbent * (1 - 1e-9)
     nodes = 0
     lengths, keys = state.lengths, state.keys
+    mixed = planner.mixed_packing
 
     def ancestors(level: int, k: int):
         for up in range(level, planner.levels):
@@ -78,6 +79,8 @@ def exact_search(state: PlanState, node_budget: int) -> None:
         length, key = lengths[i], keys[i]
         # join an open micro-batch
         for m in open_mbs:
+            if not (mixed or lengths[m[8][0]] == length):
+                continue
             level = m[0]
             tokens = m[5] + length
             policy = planner.policy_for(level, tokens)

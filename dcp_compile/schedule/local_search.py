@@ -151,7 +151,7 @@ def _best_consolidation(state: PlanState, critical: int, threshold: float) -> tu
         if k >= planner.blocks_per_level[level]:
             continue
         mbs = state.subtree_micro_batches(level, k, limit=CONSOLIDATION_LIMIT)
-        if mbs is None or len(mbs) < 2:
+        if mbs is None or len(mbs) < 2 or not all(state.packable(mbs[0].members, mb.members) for mb in mbs):
             continue
         tokens = sum(mb.tokens for mb in mbs)
         if tokens > planner.max_capacity[level]:
@@ -269,7 +269,7 @@ def merge_micro_batches(state: PlanState) -> None:
                     tokens = first.tokens + second.tokens
                     if tokens > bound:
                         break  # sorted by tokens: every later partner is larger
-                    if tokens > capacity[policy]:
+                    if tokens > capacity[policy] or not state.packable(first.members, second.members):
                         continue
                     policy = planner.policy_for(level, tokens)
                     time = planner.micro_batch_time(level, policy, tokens, first.keys + second.keys,

@@ -55,6 +55,7 @@ def _place_on_level(state: PlanState, level: int, items: list[int]) -> None:
     seq_mb = state.seq_mb
     level_of = state.level
     loads = state.loads
+    mixed = planner.mixed_packing
     count = planner.blocks_per_level[level]
     if size == 1:
         heap = [(loads[k], k) for k in range(count)]
@@ -73,7 +74,7 @@ def _place_on_level(state: PlanState, level: int, items: list[int]) -> None:
             # block's newest micro-batch without a slower policy.
             mb = mbs[-1]
             q = mb.policy
-            if mb.tokens + length <= capacity[q]:
+            if mb.tokens + length <= capacity[q] and (mixed or lengths[mb.members[0]] == length):
                 key = keys[i]
                 delta = per_token[q] * length + per_key[q] * key + per_sequence[q]
                 mb.tokens += length

@@ -80,7 +80,11 @@ class PlannerConfig:
     ``local_search_evaluations`` bounds the local search by a count of candidate evaluations (not
     by time: a time limit would make ranks disagree). ``exact_search_nodes`` is the node budget of
     the branch-and-bound run on steps of at most ``exact_search_max_sequences`` sequences and
-    ``exact_search_max_ranks`` ranks (0 disables it).
+    ``exact_search_max_ranks`` ranks (0 disables it). ``pack_equal_lengths_only``: a micro-batch
+    holds sequences of one length only, for models whose samples cannot share a packed row (a
+    video DiT whose cross-attention to each clip's caption cannot take sequence boundaries, so a
+    micro-batch runs one call per clip shape: packing two lengths would cost two fixed costs,
+    where the cost model would count one).
     """
 
     memory_fraction: float = 0.9
@@ -90,6 +94,7 @@ class PlannerConfig:
     exact_search_nodes: int = 40_000
     exact_search_max_sequences: int = 8
     exact_search_max_ranks: int = 8
+    pack_equal_lengths_only: bool = False
 
 
 class Planner:
@@ -116,6 +121,7 @@ class Planner:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.config.memory_fraction}")
         self.cost_model = cost_model
         self.world_size = world_size
+        self.mixed_packing = not self.config.pack_equal_lengths_only
         self.memory_cap = self.config.memory_fraction * cost_model.hardware.memory_capacity
         limit = min(world_size, self.config.max_sp_size or world_size)
         sizes = [1]

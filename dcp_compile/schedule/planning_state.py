@@ -149,9 +149,11 @@ class PlanState:
         best_policy = p
         policy_count = len(capacity)
         mbs = self.block_mbs[block]
+        mixed = planner.mixed_packing
+        lengths = self.lengths
         for mb in (mbs if len(mbs) <= PACKING_SCAN else mbs[-PACKING_SCAN:]):
             tokens = mb.tokens + length
-            if tokens > max_capacity:
+            if tokens > max_capacity or not (mixed or lengths[mb.members[0]] == length):
                 continue
             # The policy can only get slower as tokens grow: scan on from the current one.
             q = mb.policy
@@ -212,6 +214,10 @@ class PlanState:
         self.seq_mb[i] = None
         for r in self.block_ranks(mb.level, mb.block):
             self.loads[r] += delta
+
+    def packable(self, members_a: list[int], members_b: list[int]) -> bool:
+        """May these two groups of sequences share a micro-batch (``pack_equal_lengths_only``)?"""
+        return self.planner.mixed_packing or self.lengths[members_a[0]] == self.lengths[members_b[0]]
 
     def snapshot(self, *blocks: int):
         """What :meth:`restore` needs to undo changes to ``blocks``."""
