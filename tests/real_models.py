@@ -1146,29 +1146,61 @@ def flatten_outputs(outputs: Any, prefix: str = "", depth: int = 0) -> dict[str,
     return found
 
 
-def eager_run(case: RealCase, tokens: int) -> tuple[dict[str, Tensor], dict[str, Tensor], int]:
-    """Eager fp32 forward + backward of a fresh model on the full batch: (outputs, grads, attention
-    calls), where attention calls counts SDPA and softmax calls (an upper bound on attention sites:
-    MoE routers use softmax too)."""
+def eager_run(case: RealCase, tokens: int) -> tuple[dict[str, Tensor], dict[str, Tensor], "AttentionCounter"]:
+    """Eager fp32 forward + backward of a fresh model on the full batch: (outputs, grads, the
+    attention calls its forward made)."""
     model = case.build()
     inputs, _ = case.make_inputs(tokens)
-    counter = _AttentionCounter()
+    counter = AttentionCounter()
     with counter:
         outputs = model(**inputs)
     case.loss_of(outputs).backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    return {k: v.detach().clone() for k, v in flatten_outputs(outputs).items()}, grads, counter.calls
+    return {k: v.detach().clone() for k, v in flatten_outputs(outputs).items()}, grads, counter
 
 
-class _AttentionCounter(torch.overrides.TorchFunctionMode):
+class AttentionCounter(torch.overrides.TorchFunctionMode):
+    """Counts SDPA calls (each one an attention site the compiled graphs must hold, unless it ran
+    in eager code after a graph break) and softmax calls (hand-written attention, but also MoE
+    routers: only an upper bound)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.calls = 0
+        self.sdpa_calls = 0
+        self.softmax_calls = 0
+
+    @property
+    def calls(self) -> int:
+        return self.sdpa_calls + self.softmax_calls
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (torch.nn.functional.scaled_dot_product_attention, torch.softmax, torch.nn.functional.softmax, Tensor.softmax):
-            self.calls += 1
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.sdpa_calls += 1
+        elif func in (torch.softmax, torch.nn.functional.softmax, Tensor.softmax):
+            self.softmax_calls += 1
         return func(*args, **(kwargs or {}))
+
+
+def sdpa_runs_in_graphs(record: Any, calls_seen: dict[int, int]) -> int:
+    """SDPA calls the compiled graphs made during one ``dcp.explain`` call: each graph's SDPA
+    sites (hand-written regions not counted) times the calls it got in this one (a block compiled
+    once runs once per layer). ``calls_seen`` holds each graph's dispatches before it, updated."""
+    total = 0
+    for graph in record.graphs:
+        calls = len(graph.dispatches) - calls_seen.get(graph.graph_id, 0)
+        calls_seen[graph.graph_id] = len(graph.dispatches)
+        total += calls * sum(1 for site in graph.attention_sites if "(hand-written region" not in site)
+    return total
+
+
+def check_eager_attention(row: dict[str, Any], eager_sdpa_calls: int, graph_sdpa_calls: int) -> None:
+    """Attention that ran in eager code (after a graph break) is not sharded, and no record of
+    the compiled graphs shows it: the eager forward's SDPA calls must all be in the graphs."""
+    row["eager_sdpa_calls"], row["graph_sdpa_calls"] = eager_sdpa_calls, graph_sdpa_calls
+    if eager_sdpa_calls > graph_sdpa_calls:
+        row["failures"].append(
+            f"{eager_sdpa_calls - graph_sdpa_calls} of {eager_sdpa_calls} SDPA calls ran outside the compiled "
+            f"graphs (eager code after a graph break): not sharded")
 
 
 def compiled_run(model: nn.Module, compiled: Any, case: RealCase, tokens: int, group=None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -1325,6 +1357,7 @@ def zoo_worker(rank: int, world_size: int, case_name: str, lengths: tuple[int, .
             row.update(error=f"build/compile: {_first_line(exc)}", error_where=_where(exc), traceback=traceback.format_exc()[-6000:])
             row["failures"].append(row["error"])
         return rows
+    calls_seen: dict[int, int] = {}
     for row, n in zip(rows, lengths):
         start = time.perf_counter()
         _, row["tokens"] = case.make_inputs(n)
@@ -1334,10 +1367,14 @@ def zoo_worker(rank: int, world_size: int, case_name: str, lengths: tuple[int, .
             record = dcp.explain(compiled, **inputs)
             row["compile_seconds"] = round(time.perf_counter() - start, 1)
             _record_sharding(row, record, case.gather_budget)
+            graph_sdpa_calls = sdpa_runs_in_graphs(record, calls_seen)
             stage = "eager reference"
-            outputs, grads, row["eager_attention_calls"] = eager_run(case, n)
+            outputs, grads, counter = eager_run(case, n)
+            row["eager_attention_calls"] = counter.calls
+            check_eager_attention(row, counter.sdpa_calls, graph_sdpa_calls)
             stage = "compiled forward+backward"
             actual = compiled_run(model, compiled, case, n)
+            calls_seen.update((graph.graph_id, len(graph.dispatches)) for graph in record.graphs)
             row["max_error"], row["parity_problems"] = compare((outputs, grads), actual, rtol, atol)
             row["parity_ok"] = not row["parity_problems"]
             row["failures"] += [f"parity: {p}" for p in row["parity_problems"]]

@@ -107,6 +107,7 @@ class SequenceAnalysis:
     regions: dict[fx.Node, AttentionSite] = field(default_factory=dict)  # hand-written region output -> site
     region_members: dict[fx.Node, AttentionSite] = field(default_factory=dict)  # its other nodes -> site
     positions: dict[Any, Any] = field(default_factory=dict)  # node or (node, index) -> TokenPositions
+    parameters: frozenset[fx.Node] = frozenset()  # placeholders holding the model's parameters
 
     def dims_of(self, node: Any, index: int | None = None) -> tuple[SequenceDim, ...]:
         role = self.roles.get(node) if isinstance(node, fx.Node) else None
@@ -920,8 +921,14 @@ def _op_name(node: fx.Node) -> str:
 
 
 def _sized_source(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    """A value whose size at some dimension is the attention length, so indexed by tokens.
+
+    Not a parameter: its sizes come from the model's configuration, never from the data, and a
+    constant attention length may equal one of them (Z-Image pads its tokens to a multiple of 32
+    and has a width of 32 in the zoo). A parameter that does span the tokens (a position table
+    added to the activations) is found as a broadcast partner of the value it is added to."""
     value = _val(node)
-    if not isinstance(value, torch.Tensor) or analysis.length is None:
+    if not isinstance(value, torch.Tensor) or analysis.length is None or node in analysis.parameters:
         return RuleResult(NONE)
     dims = tuple(SequenceDim(d) for d, size in enumerate(shape_of(value)) if _equal(size, analysis.length))
     if not dims:
@@ -929,6 +936,10 @@ def _sized_source(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     if len(dims) > 1:
         return RuleResult(MIXING, (), (), "creates a value with several sequence dimensions")
     return RuleResult(SOURCE, dims, (), "creates the sequence dimension")
+
+
+def target_is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in VIEWS
 
 
 def _classify(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
@@ -967,7 +978,10 @@ def _classify(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
         # An op that keeps one sequence dimension but creates another (an expand of a mask, or a
         # bias over keys broadcast against a [B, 1, S, S] mask as Falcon's ALiBi is) mixes.
         value = _val(node)
-        if isinstance(value, torch.Tensor) and analysis.length is not None:
+        # A reshape cannot form a symbolic length out of other dimensions, only match a constant
+        # one by coincidence (heads x head size = 32 = the padded token count): not checked then.
+        coincidence = target_is_view(node) and not analysis.length.free_symbols
+        if isinstance(value, torch.Tensor) and analysis.length is not None and not coincidence:
             sized = {d for d, size in enumerate(shape_of(value)) if _equal(size, analysis.length)}
             if sized - {d.dim for d in result.dims}:
                 return RuleResult(MIXING, (), (), "creates a second sequence dimension")
@@ -1058,9 +1072,12 @@ def _traced_size(size: Any) -> int:
     return int(size)
 
 
-def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite]) -> SequenceAnalysis:
+def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite],
+                          parameter_indices: frozenset[int] = frozenset()) -> SequenceAnalysis:
     length = long_segment_of(gm.graph, sequence_length_of(sites))
-    analysis = SequenceAnalysis(length=length, graph=fx_to_networkx(gm.graph))
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    parameters = frozenset(placeholders[i] for i in parameter_indices if i < len(placeholders))
+    analysis = SequenceAnalysis(length=length, graph=fx_to_networkx(gm.graph), parameters=parameters)
     for site in sites:
         if site.region is not None:
             analysis.regions[site.node] = site
@@ -1105,7 +1122,7 @@ def _token_order(result: RuleResult, analysis: SequenceAnalysis) -> Any:
 
 def sequence_dims_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Analysis only: classify every node; the graph is returned unchanged."""
-    analysis = analyze_sequence_dims(gm, ctx.analysis.attention_sites)
+    analysis = analyze_sequence_dims(gm, ctx.analysis.attention_sites, ctx.analysis.parameter_indices)
     ctx.analysis.sequence = analysis
     if analysis.length is not None:
         if not analysis.length.free_symbols:
