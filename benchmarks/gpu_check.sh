@@ -57,7 +57,7 @@ if [ "$BENCH" != "none" ]; then
   bench_args=(--out-dir "$OUT_DIR")
   [ "$BENCH" = "quick" ] && bench_args+=(--quick)
   echo "== kernel benchmark ($BENCH)"
-  timeout "$STEP_TIMEOUT" python benchmarks/kernels.py "${bench_args[@]}" 2>&1 | tee "$OUT_DIR/kernels_bench.log"
+  timeout "$STEP_TIMEOUT" python benchmarks/kernel_benchmarks.py "${bench_args[@]}" 2>&1 | tee "$OUT_DIR/kernels_bench.log"
   bench_rc=${PIPESTATUS[0]}
   echo "kernel benchmark exit code: $bench_rc"
   [ "$bench_rc" -eq 0 ] || status=1

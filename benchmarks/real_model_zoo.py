@@ -67,11 +67,17 @@ def _reasons(rows: list[dict[str, Any]]) -> str:
     return "; ".join(f"{reason} x{count}" for reason, count in merged.most_common())
 
 
+def _eager_sdpa(row: dict[str, Any]) -> str:
+    """``+N eager`` when N of the eager forward's SDPA calls ran outside the compiled graphs."""
+    eager, graphs = row.get("eager_sdpa_calls"), row.get("graph_sdpa_calls")
+    return f" +{eager - graphs} eager" if eager is not None and graphs is not None and eager > graphs else ""
+
+
 def case_line(rows: list[dict[str, Any]]) -> str:
     first = rows[0]
     tokens = ", ".join(str(row["tokens"] or row["requested"]) for row in rows)
     parity = _join_lengths([_parity(row) for row in rows])
-    sites = _join_lengths([f"{row['sites_covered']}/{row['attention_sites']}" for row in rows])
+    sites = _join_lengths([f"{row['sites_covered']}/{row['attention_sites']}" + _eager_sdpa(row) for row in rows])
     gathers = _join_lengths([str(row["gathers"]) for row in rows]) + f" (≤{first['budget']})"
     reasons = _reasons(rows)
     if any(row["fallbacks"] for row in rows):
@@ -121,6 +127,8 @@ def mechanisms(by_case: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str,
                     key += f" (at {row['error_where'].split(' (')[0].rsplit(':', 1)[0]})"
                 groups[("exception", key)].add(name)
             for failure in row["failures"]:
+                if "SDPA calls ran outside the compiled graphs" in failure:
+                    groups[("attention in eager code", "SDPA calls after a graph break, outside every compiled graph")].add(name)
                 if failure.startswith("no attention found"):
                     groups[("no attention found", "no attention site in any SP>1 graph")].add(name)
                 if failure.startswith("parity:") and not row["error"]:
@@ -153,7 +161,9 @@ def render(by_case: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> st
         "(0 for LMs, encoders and token-in/token-out DiTs; 1 for the unpatchify of a latent-in DiT; stated per case in "
         "`tests/real_models.py`), and outputs and SP-summed gradients match eager.",
         "",
-        "Columns: *sites* = attention sites run sharded / attention sites found (summed over the graphs of one call); "
+        "Columns: *sites* = attention sites run sharded / attention sites found (summed over the graphs of one call; "
+        "*+N eager*: N of the eager forward's SDPA calls ran outside every compiled graph, after graph breaks, so "
+        "unsharded: a failure); "
         "*gathers* = mid-graph all-gathers (≤ budget) with their recorded reasons (first length); *graphs* = graphs "
         "the dcp backend compiled for one call (more than one: graph breaks; *+retrace*: the second length was "
         "traced again); *s* = seconds for the case's process world (both lengths, including compilation).",

@@ -1,4 +1,4 @@
-"""Kernel benchmarks: ``python benchmarks/kernels.py [--quick] [--out-dir DIR]``.
+"""Kernel benchmarks: ``python benchmarks/kernel_benchmarks.py [--quick] [--out-dir DIR]``.
 
 A thin entry point; the code lives in ``dcp_compile.kernels.benchmark`` (also reachable as
 ``python -m dcp_compile bench kernels``).
