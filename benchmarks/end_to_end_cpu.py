@@ -1,31 +1,50 @@
-"""Measured end to end on this CPU: DCP vs static SP vs the published DCP-inter schedule.
+"""Measured end to end on this CPU: DCP vs static SP vs the published DCP-inter schedule, on a video DiT.
 
-Four gloo processes (one CPU thread each) train TinyGPT (the demo's 2-layer, width-128 decoder:
-a stand-in, not a DiT) on a Zipf mix of sample lengths {16, 64, 256, 1024, 4096} (weights
-1/(rank+1)^1.2, shortest most common), with a stand-in memory cap of 1024 tokens per rank in a
-micro-batch (a 4096-token sample needs SP 4). Every optimizer step trains the same samples (the
-sampler's step) three ways, from the same weights, in rotating order:
+Four gloo processes (one CPU thread each) train :class:`~dcp_compile.demo.example_models.VideoDiT`
+(2 blocks of width 128, 4 heads: full 3-D self-attention over the clip's latent tokens,
+cross-attention to a 120-token caption, adaLN-single timestep conditioning, rectified-flow loss)
+on a Zipf mix of clips of {16, 64, 256, 1024, 4096} latent tokens (1x4x4, 1x8x8, 4x8x8, 4x16x16
+and 16x16x16 frames x rows x columns of patches; weights 1/(rank+1)^1.2, shortest most common),
+with a stand-in memory cap of 1024 tokens per rank in a micro-batch (a 4096-token clip needs SP 4).
+Every optimizer step trains the same clips (the sampler's step) three ways, from the same weights,
+in rotating order:
 
-* ``dcp``: the sampler's plan (SP size per micro-batch, packed rows);
-* ``static-sp4``: SP 4 for everything, the samples packed in arrival order up to its own budget
-  (4 x 1024 tokens per micro-batch);
+* ``dcp``: the sampler's plan (SP size per micro-batch; the planner prices each clip's caption,
+  whose key/value projections every rank of an SP group computes in full, and packs only clips of
+  one shape together: ``PlannerConfig(pack_equal_lengths_only=True)``);
+* ``static-sp4``: SP 4 for everything, the step's clips sorted by size and packed up to its own
+  budget (4 x 1024 tokens per micro-batch: fewer, fuller micro-batches than DCP's, and at most one
+  micro-batch per step mixes two shapes; the stronger variant of static SP);
 * ``dcp-inter``: the published DCP-inter schedule (profiled per-bucket SP and batch, accumulation
   from the 1.2/1.0 penalty search with max 5 / min 15) on the same cost model, run iso-batch (one
   sync per step) and without recompute (CPU memory is no constraint; in its favour).
 
-Recompute is off for all three. The cost model is calibrated at start (the demo's design, timed
-on these processes); its predicted busy time per step is compared with the measured busy time
-(the slowest rank's forward+backward before the gradient sync). Throughput is tokens over the
-whole step (sync and optimizer included). The machine is shared with other jobs: numbers are
-measured under load, and intervals are 95% t-intervals over the steps.
+Same model, same clips per step, same loss weights, recompute off for all three. Clips of
+different shapes cannot be stacked (and the caption cross-attention cannot take packed sequence
+boundaries), so a micro-batch runs one forward/backward per clip shape in it (as
+``examples/train_video_dit.py`` does), each weighted by its share of the step's tokens: the
+step's gradient is the mean over every latent element of the step for every schedule (the
+losses agree to float rounding: the check at the bottom).
+
+Accounting. Throughput is the step's tokens over the whole step's wall time (the slowest rank,
+gradient sync and optimizer included); the per-step speedup is static SP's step time over the
+schedule's on the same step (paired: a slow phase of the shared machine hits both). Intervals are
+95% t-intervals over the steps. The cost model (the VideoDiT profile on the CPU record, caption
+work included) is calibrated at start on timed micro-batches of the mix's lengths at SP 1, 2 and
+4 (each point the slowest rank's median of three); the prediction of a schedule's busy time is the
+largest over ranks of the sum of its micro-batches' predicted times (each clip-shape call priced
+as its own micro-batch, as it runs), compared with the measured busy time (the slowest rank's
+forward+backward before the gradient sync). The machine is shared with other jobs: numbers are
+measured under load.
 
 Writes ``benchmarks/results/end_to_end_cpu.md`` and ``.json``. Run:
-``PYTHONPATH=. python benchmarks/end_to_end_cpu.py [--steps 6]``.
+``PYTHONPATH=. python benchmarks/end_to_end_cpu.py [--steps 10]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import math
@@ -33,38 +52,121 @@ import random
 import statistics
 import sys
 import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 import dcp_compile as dcp
+from dcp_compile.compiler.progress import compile_progress
 from dcp_compile.demo import training_demo as demo
-from dcp_compile.demo.example_models import TinyGPT
+from dcp_compile.demo.example_models import VideoDiT, video_dit_inputs
+from dcp_compile.schedule.planner import PlannerConfig
 from dcp_compile.schedule.published_schedulers import DCPInterScheduler
 from dcp_compile.testing.process_world import run_in_process_world
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORLD_SIZE = 4
-LENGTHS = (16, 64, 256, 1024, 4096)
+SHAPES = {16: (1, 4, 4), 64: (1, 8, 8), 256: (4, 8, 8), 1024: (4, 16, 16), 4096: (16, 16, 16)}
+ZIPF_EXPONENT = 1.2
 MAX_TOKENS_PER_RANK = 1024
-TOKENS_PER_STEP = 24_576
 SCHEDULES = ("dcp", "static-sp4", "dcp-inter")
+LEARNING_RATE = 1e-4
 
 
-def zipf_dataset(seed: int, total_tokens: int) -> list[torch.Tensor]:
+@dataclass(frozen=True)
+class DiTConfig:
+    """The model and data sizes (the model's defaults; the caption length as STDiT3's 300 T5
+    tokens over its 1152 width is to 120 tokens here: a 16-token clip has far fewer tokens than
+    its caption, as a 144-token 144p image has in Open-Sora)."""
+
+    patch_dim: int = 16
+    hidden: int = 128
+    heads: int = 4
+    layers: int = 2
+    text_tokens: int = 120
+    tokens_per_step: int = 24_576
+
+
+def cost_model_of(config: DiTConfig) -> dcp.CostModel:
+    """VideoDiT's analytic profile: full attention (not causal), cross-attention to the caption
+    (its per-clip key/value projections on every rank of a group), fp32, AdamW."""
+    profile = dcp.ModelProfile.transformer(
+        "video-dit", num_layers=config.layers, hidden_size=config.hidden, num_heads=config.heads,
+        ffn_hidden_size=4 * config.hidden, causal=False, cross_attention_tokens=config.text_tokens,
+        output_channels=config.patch_dim, dtype_bytes=4, gradient_dtype_bytes=4, optimizer_bytes_per_parameter=8,
+    )
+    return dcp.CostModel(profile, dcp.Hardware.detect(), optimizer_shards=1)
+
+
+def zipf_lengths(seed: int, total_tokens: int) -> list[int]:
     rng = random.Random(seed)
-    weights = [1 / (rank + 1) ** 1.2 for rank in range(len(LENGTHS))]
-    generator = torch.Generator().manual_seed(seed)
-    samples, tokens = [], 0
+    choices = sorted(SHAPES)
+    weights = [1 / (rank + 1) ** ZIPF_EXPONENT for rank in range(len(choices))]
+    lengths, tokens = [], 0
     while tokens < total_tokens:
-        length = rng.choices(LENGTHS, weights)[0]
-        samples.append(torch.randint(1, demo.VOCAB, (length,), generator=generator))
-        tokens += length
-    return samples
+        lengths.append(rng.choices(choices, weights)[0])
+        tokens += lengths[-1]
+    return lengths
 
 
-def dcp_inter_microbatches(scheduler: DCPInterScheduler, indices: list[int], lengths: list[int], supervised: int) -> list[dcp.MicroBatch]:
+class ClipStore:
+    """Every clip's inputs, drawn once from a generator seeded by its index (the same on every rank)."""
+
+    def __init__(self, lengths: Sequence[int], config: DiTConfig, seed: int):
+        self.lengths = list(lengths)
+        self.clips = [
+            video_dit_inputs(SHAPES[n], 1, torch.Generator().manual_seed(seed * 1_000_003 + i), config.patch_dim,
+                             config.hidden, config.text_tokens)
+            for i, n in enumerate(self.lengths)
+        ]
+
+    def groups(self, indices: Sequence[int]) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """The micro-batch's clips stacked by shape: (tokens, inputs) per shape, in a fixed order."""
+        by_length: dict[int, list[int]] = defaultdict(list)
+        for i in indices:
+            by_length[self.lengths[i]].append(i)
+        out = []
+        for length in sorted(by_length):
+            members = by_length[length]
+            inputs = {key: torch.cat([self.clips[i][key] for i in members]) for key in self.clips[members[0]]}
+            out.append((length * len(members), inputs))
+        return out
+
+
+def run_microbatch(compiled, store: ClipStore, indices: Sequence[int], variant: dcp.Variant, step_tokens: int) -> float:
+    """Forward and backward of one micro-batch, one call per clip shape, each loss weighted by its
+    share of the step's tokens; returns the weighted loss."""
+    total = 0.0
+    for tokens, inputs in store.groups(indices):
+        with dcp.use(variant):
+            loss = compiled(**inputs) * (tokens / step_tokens)
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
+def predicted_time(cost_model: dcp.CostModel, lengths: Sequence[int], indices: Sequence[int], sp_size: int) -> float:
+    """The cost model's time of a micro-batch as it runs: one call per clip shape."""
+    by_length: dict[int, int] = defaultdict(int)
+    for i in indices:
+        by_length[lengths[i]] += 1
+    return sum(cost_model.time([n] * count, sp_size, "none") for n, count in by_length.items())
+
+
+def rank_busy_prediction(cost_model: dcp.CostModel, microbatches: Sequence[dcp.MicroBatch], lengths: Sequence[int]) -> float:
+    loads = [0.0] * WORLD_SIZE
+    for mb in microbatches:
+        seconds = predicted_time(cost_model, lengths, mb.indices, mb.sp_size)
+        for rank in mb.group_ranks:
+            loads[rank] += seconds
+    return max(loads)
+
+
+def dcp_inter_microbatches(scheduler: DCPInterScheduler, indices: list[int], lengths: list[int]) -> list[dcp.MicroBatch]:
     step_lengths = [lengths[i] for i in indices]
     schedule = scheduler.schedule(step_lengths)
     schedule.validate(len(step_lengths))
@@ -72,67 +174,149 @@ def dcp_inter_microbatches(scheduler: DCPInterScheduler, indices: list[int], len
     for mb in sorted(schedule.microbatches, key=lambda m: (m.round, m.first_rank)):
         chosen = tuple(indices[p] for p in mb.positions)
         out.append(dcp.MicroBatch(
-            indices=chosen, variant=dcp.Variant(mb.sp_size, "none"),
-            loss_scale=sum(lengths[i] - 1 for i in chosen) / supervised,
+            indices=chosen, variant=dcp.Variant(mb.sp_size, "none"), loss_scale=0.0,
             group_ranks=tuple(range(mb.first_rank, mb.first_rank + mb.sp_size)),
             predicted_time=0.0, tokens=sum(lengths[i] for i in chosen)))
     return out
 
 
-def rank_busy_prediction(cost_model: dcp.CostModel, microbatches: list[dcp.MicroBatch], lengths: list[int]) -> float:
-    loads = [0.0] * WORLD_SIZE
-    for mb in microbatches:
-        seconds = cost_model.time([lengths[i] for i in mb.indices], mb.sp_size, "none")
-        for rank in mb.group_ranks:
-            loads[rank] += seconds
-    return max(loads)
+def warm_up(compiled, model: torch.nn.Module, config: DiTConfig) -> None:
+    """Compile every SP size for one clip and for a stack of clips (dynamo specialises a batch of
+    1), largest SP first, the same order on every rank; nothing compiles inside a timed step."""
+    generator = torch.Generator().manual_seed(0)
+    variants = [dcp.Variant(s, "none") for s in sorted(demo.sp_sizes_for(WORLD_SIZE), reverse=True)]
+    for variant in compile_progress(variants):
+        for batch in (2, 1):
+            # 64 tokens: traced at 16 (= patch_dim), dynamo would take the length for that constant
+            inputs = video_dit_inputs((1, 8, 8), batch, generator, config.patch_dim, config.hidden, config.text_tokens)
+            with dcp.use(variant):
+                compiled(**inputs).backward()
+    model.zero_grad(set_to_none=True)
 
 
-def worker(rank: int, world_size: int, steps: int, seed: int) -> dict:
-    device = torch.device("cpu")
+def calibrate(cost_model: dcp.CostModel, compiled, model: torch.nn.Module, config: DiTConfig, seed: int) -> dcp.CostModel:
+    """Fit the scale factors on micro-batches of the mix's lengths (one clip, and stacks of 4 and
+    16 short ones) at every SP size that holds them. Each point is the slowest rank's median of
+    three runs after an untimed one: the median, not the minimum, because the steps it predicts
+    run under the same shared-machine load (the minimum of a few runs under load is a lucky one)."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    points = []
+    for sp in demo.sp_sizes_for(WORLD_SIZE):
+        for length in sorted(SHAPES):
+            if length <= MAX_TOKENS_PER_RANK * sp:
+                points.append(dcp.CalibrationPoint((length,), sp))
+        for length, count in ((16, 4), (16, 16), (64, 4), (64, 16), (256, 4)):
+            points.append(dcp.CalibrationPoint((length,) * count, sp))
+
+    def measure(lengths: Sequence[int], sp_size: int, recompute: str) -> float:
+        inputs = video_dit_inputs(SHAPES[lengths[0]], len(lengths), generator, config.patch_dim, config.hidden,
+                                  config.text_tokens)
+        runs = []
+        for _ in range(4):
+            demo._barrier()
+            start = time.perf_counter()
+            with dcp.use(dcp.Variant(sp_size, recompute)):
+                compiled(**inputs).backward()
+            runs.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+        return demo._world_max(statistics.median(runs[1:]), torch.device("cpu"))
+
+    return cost_model.calibrate(measure, points, progress=False)
+
+
+def run_step(compiled, model, optimizer, store: ClipStore, work: Sequence[tuple[dcp.MicroBatch, bool]],
+             step_tokens: int) -> tuple[float, float, float]:
+    """One optimizer step over this rank's (micro-batch, counts its loss) list: (elapsed, busy, loss share)."""
+    demo._barrier()
+    start = time.perf_counter()
+    loss_share = 0.0
+    for mb, counts in work:
+        loss = run_microbatch(compiled, store, mb.indices, mb.variant, step_tokens)
+        if counts:
+            loss_share += loss
+    busy = time.perf_counter() - start
+    dcp.sync_gradients(model)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start, busy, loss_share
+
+
+def worker(rank: int, world_size: int, steps: int, seed: int, config: DiTConfig) -> dict:
     dcp.create_sp_groups()
-    dataset = zipf_dataset(seed, (steps + 2) * TOKENS_PER_STEP)
-    lengths = [len(s) for s in dataset]
+    lengths = zipf_lengths(seed, (steps + 2) * config.tokens_per_step)
+    store = ClipStore(lengths, config, seed)
     torch.manual_seed(seed)
-    model = TinyGPT(demo.VOCAB, demo.HIDDEN, demo.LAYERS, demo.HEADS)
+    model = VideoDiT(config.patch_dim, config.hidden, config.heads, config.layers)
     compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "aot_eager"})
-    sizes = demo.sp_sizes_for(world_size)
-    demo.warm_up(compiled, model, [dcp.Variant(s, "none") for s in sorted(sizes, reverse=True)], device)
-    cost_model = demo.calibrate(demo.tinygpt_cost_model(), compiled, model, sizes, device, seed)
+    start = time.perf_counter()
+    warm_up(compiled, model, config)
+    compile_seconds = demo._world_max(time.perf_counter() - start, torch.device("cpu"))
+    start = time.perf_counter()
+    cost_model = calibrate(cost_model_of(config), compiled, model, config, seed)
+    calibration_seconds = time.perf_counter() - start
     sampler = dcp.DataCentricSampler(
-        lengths, tokens_per_step=TOKENS_PER_STEP, cost_model=cost_model, max_tokens_per_rank=MAX_TOKENS_PER_RANK,
-        seed=seed, verify_plan=True, supervised_tokens=[n - 1 for n in lengths], max_sp_size=world_size,
+        lengths, tokens_per_step=config.tokens_per_step, cost_model=cost_model, max_tokens_per_rank=MAX_TOKENS_PER_RANK,
+        seed=seed, verify_plan=True, max_sp_size=world_size,
+        planner_config=PlannerConfig(pack_equal_lengths_only=True),
     )
     inter = DCPInterScheduler(cost_model, world_size, max_tokens_per_rank=MAX_TOKENS_PER_RANK)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=demo.LEARNING_RATE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     rows = []
     for step in itertools.islice(sampler, steps):
         every = [mb for group in step.groups for mb in group.microbatches]
         indices = [i for mb in every for i in mb.indices]
-        supervised = sum(lengths[i] - 1 for i in indices)
         plans = {
             "dcp": every,
-            "static-sp4": demo.static_microbatches(indices, lengths, MAX_TOKENS_PER_RANK * world_size, world_size,
+            "static-sp4": demo.static_microbatches(sorted(indices, key=lengths.__getitem__), lengths,
+                                                   MAX_TOKENS_PER_RANK * world_size, world_size,
                                                    dcp.Variant(world_size, "none")),
-            "dcp-inter": dcp_inter_microbatches(inter, indices, lengths, supervised),
+            "dcp-inter": dcp_inter_microbatches(inter, indices, lengths),
         }
         start_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        row = {"step": step.step, "tokens": step.tokens}
+        start_optimizer = copy.deepcopy(optimizer.state_dict())
+        row = {"step": step.step, "tokens": step.tokens, "clips": len(indices)}
         order = SCHEDULES[step.step % 3:] + SCHEDULES[: step.step % 3]
         kept = None
         for name in order:
             model.load_state_dict(start_weights)
-            work = [(mb, mb.variant, mb.group_ranks[0] == rank) for mb in plans[name] if rank in mb.group_ranks]
-            elapsed, busy, share = demo.run_step(compiled, model, optimizer, dataset, work, device)
-            seconds, busy_all, loss = demo._gather_step(elapsed, busy, share, device)
-            predicted = step.predicted_makespan if name == "dcp" else rank_busy_prediction(cost_model, plans[name], lengths)
-            row[name] = {"seconds": seconds, "busy": max(busy_all), "predicted_busy": predicted, "loss": loss,
-                         "microbatches": len(plans[name])}
+            optimizer.load_state_dict(start_optimizer)
+            work = [(mb, mb.group_ranks[0] == rank) for mb in plans[name] if rank in mb.group_ranks]
+            elapsed, busy, share = run_step(compiled, model, optimizer, store, work, step.tokens)
+            seconds, busy_all, loss = demo._gather_step(elapsed, busy, share, torch.device("cpu"))
+            sp_counts: dict[int, int] = defaultdict(int)
+            for mb in plans[name]:
+                sp_counts[mb.sp_size] += 1
+            row[name] = {
+                "seconds": seconds, "busy": max(busy_all), "busy_per_rank": busy_all, "loss": loss,
+                "predicted_busy": rank_busy_prediction(cost_model, plans[name], lengths),
+                "microbatches": len(plans[name]), "sp_sizes": dict(sp_counts),
+                "calls": sum(len({lengths[i] for i in mb.indices}) for mb in plans[name]),
+                "sp1_tokens": sum(mb.tokens for mb in plans[name] if mb.sp_size == 1),
+            }
             if name == "dcp":
-                kept = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        model.load_state_dict(kept)
+                row[name]["planner_makespan"] = step.predicted_makespan
+                kept = ({k: v.detach().clone() for k, v in model.state_dict().items()}, copy.deepcopy(optimizer.state_dict()))
+        model.load_state_dict(kept[0])
+        optimizer.load_state_dict(kept[1])
         rows.append(row)
-    return {"rows": rows, "calibration_max_error": cost_model.calibration.max_relative_error}
+    return {
+        "rows": rows, "compile_seconds": compile_seconds, "calibration_seconds": calibration_seconds,
+        "calibration_max_error": cost_model.calibration.max_relative_error, "scales": cost_model.scales,
+        "caption_share_sp1": caption_share(cost_model, lengths), "parameters": sum(p.numel() for p in model.parameters()),
+        "coefficients": {sp: asdict(cost_model.time_coefficients(sp, "none")) for sp in demo.sp_sizes_for(world_size)},
+    }
+
+
+def caption_share(cost_model: dcp.CostModel, lengths: Sequence[int]) -> dict[str, float]:
+    """The calibrated model's share of the caption work in the mix's total rank-seconds, if every
+    clip ran alone at SP 1 and at SP 4 (what static SP's replication of the caption costs)."""
+    out = {}
+    for sp in (1, WORLD_SIZE):
+        coefficients = cost_model.time_coefficients(sp, "none")
+        caption = sp * coefficients.per_sequence * len(lengths)
+        total = sum(sp * cost_model.time([n], sp, "none") for n in lengths)
+        out[f"sp{sp}"] = caption / total
+    return out
 
 
 def interval(values: list[float]) -> tuple[float, float]:
@@ -145,41 +329,78 @@ def interval(values: list[float]) -> tuple[float, float]:
     return mean, stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    start = time.perf_counter()
-    results = run_in_process_world(worker, WORLD_SIZE, args.steps, args.seed, timeout=1800)
-    result = results[0] if isinstance(results, list) else results
+def report(result: dict, config: DiTConfig, wall: float) -> tuple[str, dict]:
     rows = result["rows"]
     lines = [
-        "# Measured end to end on CPU: DCP vs static SP 4 vs published DCP-inter (4 gloo ranks, under load)\n",
+        "# Measured end to end on CPU: DCP vs static SP 4 vs published DCP-inter, video DiT (4 gloo ranks, under load)\n",
         __doc__.split("\n\n", 1)[1].split("Writes")[0].strip() + "\n",
-        f"{len(rows)} steps of ~{TOKENS_PER_STEP:,} tokens; wall time {time.perf_counter() - start:.0f} s; "
-        f"cost-model calibration max error {100 * result['calibration_max_error']:.0f}%.\n",
-        "| schedule | micro-batches/step | tokens/s (mean +- 95%) | speedup vs static-sp4 per step (mean +- 95%) "
-        "| predicted busy / measured busy (mean) |",
-        "|---|---|---|---|---|",
+        f"VideoDiT: {result['parameters']:,} parameters, {config.layers} blocks, width {config.hidden}, caption of "
+        f"{config.text_tokens} tokens. {len(rows)} steps of ~{config.tokens_per_step:,} tokens "
+        f"({statistics.fmean(r['clips'] for r in rows):.0f} clips per step on average); wall time {wall:.0f} s "
+        f"(compile {result['compile_seconds']:.0f} s, calibration {result['calibration_seconds']:.0f} s); "
+        f"cost-model calibration max error {100 * result['calibration_max_error']:.0f}% (scales "
+        + ", ".join(f"{k} {v:.3g}" for k, v in result["scales"].items()) + ").\n",
+        "| schedule | micro-batches/step (calls) | SP sizes (micro-batches/step) | tokens/s (mean +- 95%) "
+        "| speedup vs static-sp4 per step (mean +- 95%) | measured busy s/step | predicted busy s/step "
+        "| prediction error (mean +- 95%) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     summary = {}
     for name in SCHEDULES:
         throughput = interval([r["tokens"] / r[name]["seconds"] for r in rows])
         speedup = interval([r["static-sp4"]["seconds"] / r[name]["seconds"] for r in rows])
-        error = statistics.fmean(r[name]["predicted_busy"] / r[name]["busy"] for r in rows)
+        error = interval([r[name]["predicted_busy"] / r[name]["busy"] - 1 for r in rows])
         count = statistics.fmean(r[name]["microbatches"] for r in rows)
-        summary[name] = {"tokens_per_s": throughput, "speedup_vs_static": speedup, "predicted_over_measured": error}
-        lines.append(f"| {name} | {count:.1f} | {throughput[0]:,.0f} +- {throughput[1]:,.0f} | "
-                     f"{speedup[0]:.2f}x +- {speedup[1]:.2f} | {error:.2f} |")
+        calls = statistics.fmean(r[name]["calls"] for r in rows)
+        busy = statistics.fmean(r[name]["busy"] for r in rows)
+        predicted = statistics.fmean(r[name]["predicted_busy"] for r in rows)
+        sizes: dict[str, float] = defaultdict(float)
+        for r in rows:
+            for size, n in r[name]["sp_sizes"].items():
+                sizes[str(size)] += n / len(rows)
+        summary[name] = {"tokens_per_s": throughput, "speedup_vs_static": speedup, "prediction_error": error,
+                         "measured_busy": busy, "predicted_busy": predicted}
+        size_text = ", ".join(f"SP{s}: {n:.1f}" for s, n in sorted(sizes.items(), key=lambda kv: int(kv[0])))
+        lines.append(f"| {name} | {count:.1f} ({calls:.1f}) | {size_text} | {throughput[0]:,.0f} +- {throughput[1]:,.0f} | "
+                     f"{speedup[0]:.2f}x +- {speedup[1]:.2f} | {busy:.2f} | {predicted:.2f} | "
+                     f"{100 * error[0]:+.0f}% +- {100 * error[1]:.0f} |")
     losses = max(abs(r[a]["loss"] - r["dcp"]["loss"]) for r in rows for a in SCHEDULES)
-    lines.append(f"\nLosses of the three schedules on the same step from the same weights differ by at most "
-                 f"{losses:.2e} (same samples, same arithmetic up to float order).")
-    report = "\n".join(lines) + "\n"
+    share = result["caption_share_sp1"]
+    coefficients = result["coefficients"]
+    lines += [
+        "",
+        "Calibrated cost per call (fixed), per token, per token-key and per clip (caption), by SP size: "
+        + "; ".join(f"SP {sp}: {1e3 * c['fixed']:.1f} ms + {1e6 * c['per_token']:.1f} us/token + "
+                    f"{1e9 * c['per_token_key']:.2f} ns/token-key + {1e3 * c['per_sequence']:.2f} ms/clip"
+                    for sp, c in coefficients.items()) + ".",
+        "",
+        f"Losses of the three schedules on the same step from the same weights differ by at most {losses:.2e} "
+        "(same clips, same weights per element: the same arithmetic up to float order).",
+        "",
+        f"The caption's share of the mix's work (calibrated model): {100 * share['sp1']:.1f}% of the rank-seconds "
+        f"if every clip ran alone on one rank, {100 * share['sp4']:.1f}% if every clip ran alone at SP 4 (every "
+        "rank computes the caption's keys and values in full).",
+    ]
+    return "\n".join(lines) + "\n", summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokens-per-step", type=int, default=DiTConfig.tokens_per_step)
+    args = parser.parse_args(argv)
+    config = DiTConfig(tokens_per_step=args.tokens_per_step)
+    start = time.perf_counter()
+    results = run_in_process_world(worker, WORLD_SIZE, args.steps, args.seed, config, timeout=3600)
+    result = results[0]
+    text, summary = report(result, config, time.perf_counter() - start)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "end_to_end_cpu.md").write_text(report)
-    (RESULTS / "end_to_end_cpu.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
-    print(report)
+    (RESULTS / "end_to_end_cpu.md").write_text(text)
+    (RESULTS / "end_to_end_cpu.json").write_text(json.dumps(
+        {"config": asdict(config), "rows": result["rows"], "summary": summary,
+         **{k: v for k, v in result.items() if k != "rows"}}, indent=1))
+    print(text)
     return 0
 
 
