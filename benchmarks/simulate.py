@@ -142,6 +142,7 @@ class CalibrationMechanisms:
     text_context: bool = True  # per-sample K/V projections of the text on every rank (analytic)
     drop_last: bool = True  # the published epoch (published_schedulers)
     pyramid_in_profile: bool = True  # DCP-inter's profile ranks batches after the knapsack
+    frame_padding: bool = True  # the published SP shards latent frames, padded to the SP size (published_accounting)
 
 
 ABLATIONS = {
@@ -150,6 +151,7 @@ ABLATIONS = {
     "without the per-sample text context": CalibrationMechanisms(text_context=False),
     "without drop_last (every sample trained)": CalibrationMechanisms(drop_last=False),
     "without the knapsack in DCP-inter's profile": CalibrationMechanisms(pyramid_in_profile=False),
+    "without the frame-axis padding of the published SP": CalibrationMechanisms(frame_padding=False),
 }
 
 
@@ -183,9 +185,11 @@ def published_setting(
     out = {}
     drop_last = mechanisms.drop_last
     for scheduler in (
-        BucketParallelScheduler(cost_model, WORLD_SIZE, max(workload.lengths), sp_size=4, drop_last=drop_last),
+        BucketParallelScheduler(cost_model, WORLD_SIZE, max(workload.lengths), sp_size=4, drop_last=drop_last,
+                                frame_sharded=mechanisms.frame_padding),
         DCPInterScheduler(cost_model, WORLD_SIZE, max_accumulation=5, min_accumulation=15, pyramid_recompute=True,
-                          pyramid_in_profile=mechanisms.pyramid_in_profile, drop_last=drop_last),
+                          pyramid_in_profile=mechanisms.pyramid_in_profile, drop_last=drop_last,
+                          frame_sharded=mechanisms.frame_padding),
     ):
         schedule = scheduler.schedule(workload.lengths, workload.spans)
         schedule.validate(len(workload.lengths))

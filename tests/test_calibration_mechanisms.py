@@ -1,7 +1,8 @@
 """One test per mechanism the calibration against the published DCP figures rests on
 (``tests/test_simulator_calibration.py``): the published token unit, the measured speed of the
-Open-Sora stack, the per-sample text context, the published ``drop_last`` epoch and DCP-inter's
-profile ranked after the pyramid knapsack. Small inputs: the whole file runs in seconds."""
+Open-Sora stack, the per-sample text context, the published ``drop_last`` epoch, DCP-inter's
+profile ranked after the pyramid knapsack and the published SP's frame-axis padding. Small
+inputs: the whole file runs in seconds."""
 
 from __future__ import annotations
 
@@ -27,7 +28,12 @@ from dcp_compile.schedule.measured_efficiency import (  # noqa: E402
     stdit_v1_profile,
     with_stack_slowdown,
 )
-from dcp_compile.schedule.published_accounting import published_tokens, transformer_tokens  # noqa: E402
+from dcp_compile.schedule.model_profile import video_attention_span  # noqa: E402
+from dcp_compile.schedule.published_accounting import (  # noqa: E402
+    frame_sharded_shape,
+    published_tokens,
+    transformer_tokens,
+)
 from dcp_compile.schedule.published_schedulers import BucketParallelScheduler, DCPInterScheduler  # noqa: E402
 
 STDIT3 = ModelProfile.from_config("stdit3-xl/2")
@@ -165,3 +171,44 @@ def test_dcp_inter_profile_ranks_batches_after_the_knapsack(length: int, span: f
     full = pyramid.cost_model.peak_memory(tokens, chosen.sp_size, "full")
     none = pyramid.cost_model.peak_memory(tokens, chosen.sp_size, "none")
     assert full + unchecked * (none - full) / STDIT3.num_layers <= pyramid.memory_cap + 1e-6
+
+
+# --------------------------------------------------------------------------- frame-axis padding
+@pytest.mark.parametrize("frames,height,width,sp,padded_frames", [
+    (1, 9, 16, 4, 4),  # a 144p image at SP 4: one real frame, three padded ones
+    (1, 9, 16, 1, 1),
+    (15, 15, 27, 4, 16),  # 240p, 51 frames
+    (30, 23, 40, 8, 32),  # 360p, 102 frames
+    (60, 30, 54, 4, 60),  # 204 frames: divisible, no padding
+    (120, 45, 80, 8, 120),
+])
+def test_published_sp_pads_latent_frames_to_the_sp_size(frames, height, width, sp, padded_frames) -> None:
+    per_frame = height * width
+    length, span = frame_sharded_shape(frames * per_frame, video_attention_span(frames, height, width), sp)
+    assert length == padded_frames * per_frame
+    assert span == video_attention_span(padded_frames, height, width)
+
+
+def test_frame_padding_leaves_full_attention_samples_alone() -> None:
+    for length in (2, 144, 4096, 100_000):  # (1 token is a 1 x 1 frame either way)
+        assert frame_sharded_shape(length, float(length), 4) == (length, float(length))
+
+
+def test_frame_padding_makes_images_at_sp4_about_four_times_slower_per_token_than_videos() -> None:
+    """What the published bucket-parallel figures imply (images at SP 4 2.6-4.5x slower per token
+    than videos): each bucket at its profiled SP-4 batch, priced as the published model computes
+    it, lands in that range; unpadded it is about 1.5x."""
+    model = CostModel(STDIT3, Hardware.H100, optimizer_shards=32)
+    image, video = (1, 9, 16), (60, 30, 54)  # 144p image; 480p x 204 frames (60 latent frames)
+
+    def per_token(shape, frame_sharded: bool) -> float:
+        scheduler = BucketParallelScheduler(model, 32, 10**6, sp_size=4, frame_sharded=frame_sharded)
+        length = math.prod(shape)
+        profile = scheduler.profile_bucket(length, video_attention_span(*shape), fixed_sp=4)
+        return profile.time / (profile.batch_size * length)
+
+    padded = per_token(image, True) / per_token(video, True)
+    plain = per_token(image, False) / per_token(video, False)
+    assert 2.6 <= padded <= 4.5
+    assert plain < 2.0
+    assert per_token(video, True) == per_token(video, False)  # 60 frames divide by 4

@@ -57,6 +57,7 @@ from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy
 
 from .cost_model import CostModel
 from .plan import Schedule, ScheduledMicroBatch
+from .published_accounting import frame_sharded_shape
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class _BaselineScheduler:
         max_buckets: int = 32,
         seed: int = 0,
         drop_last: bool = False,
+        frame_sharded: bool = False,
     ) -> None:
         recompute = RecomputePolicy.parse(recompute)
         # The published system checkpoints whole blocks: backward re-sends their all-to-alls and
@@ -122,6 +124,11 @@ class _BaselineScheduler:
         # ``drop_last``: the published benchmark's epoch semantics (bucket tails and rounds that
         # cannot be filled are discarded, not trained); off for iso-batch comparisons.
         self.drop_last = drop_last
+        # ``frame_sharded``: the published STDiT3's SP shards latent frames, padded to a multiple
+        # of the SP size (``published_accounting.frame_sharded_shape``): an image at SP 4 is
+        # computed whole on every rank. Off by default (in the baselines' favour); the
+        # calibration against the published figures turns it on. Memory is priced unpadded.
+        self.frame_sharded = frame_sharded
         self.node_size = max(1, min(world_size, cost_model.hardware.gpus_per_node))
         sizes = [1]
         while sizes[-1] * 2 <= world_size:
@@ -144,13 +151,21 @@ class _BaselineScheduler:
             f"under {self.memory_cap / 1e9:.1f} GB with recompute={recompute or self.recompute!r}"
         )
 
+    def computed_time(self, lengths: Sequence[int], spans: Sequence[float], sp_size: int, recompute: RecomputePolicy | str) -> float:
+        """The cost model's time of a micro-batch as the published model computes it (with
+        ``frame_sharded``, each sample's frames padded to a multiple of ``sp_size``)."""
+        if self.frame_sharded and sp_size > 1:
+            shapes = [frame_sharded_shape(n, s, sp_size) for n, s in zip(lengths, spans)]
+            lengths, spans = [n for n, _ in shapes], [s for _, s in shapes]
+        return self.cost_model.time(lengths, sp_size, recompute, spans)
+
     def microbatch(
         self, positions: list[int], lengths: Sequence[int], spans: Sequence[float], sp_size: int,
         first_rank: int, recompute: RecomputePolicy | str | None = None, round_index: int = 0,
     ) -> ScheduledMicroBatch:
         policy = RecomputePolicy.parse(recompute or self.recompute)
         mb_lengths = [lengths[p] for p in positions]
-        time = self.cost_model.time(mb_lengths, sp_size, policy, [spans[p] for p in positions])
+        time = self.computed_time(mb_lengths, [spans[p] for p in positions], sp_size, policy)
         return ScheduledMicroBatch(
             positions=list(positions), sp_size=sp_size, first_rank=first_rank, recompute=policy,
             predicted_time=time, tokens=sum(mb_lengths), round=round_index,
@@ -195,7 +210,7 @@ class _BaselineScheduler:
     def profiled_time(self, length: int, span: float, sp_size: int, batch_size: int) -> float:
         """What the published profiler records for a batch of ``batch_size`` samples of one
         bucket on ``sp_size`` ranks: the time of the batch under this scheduler's policy."""
-        return self.cost_model.time([length] * batch_size, sp_size, self.recompute, [span] * batch_size)
+        return self.computed_time([length] * batch_size, [span] * batch_size, sp_size, self.recompute)
 
     def group_by_bucket(self, lengths: Sequence[int], spans: Sequence[float]) -> dict[int, list[int]]:
         keys = bucketize(lengths, self.max_buckets)
@@ -554,7 +569,7 @@ class DCPInterScheduler(_RoundScheduler):
         unchecked = self._unchecked_layers(length, sp_size, batch_size)
         if not unchecked:
             return full
-        none = self.cost_model.time([length] * batch_size, sp_size, RecomputePolicy.NONE, [span] * batch_size)
+        none = self.computed_time([length] * batch_size, [span] * batch_size, sp_size, RecomputePolicy.NONE)
         return full - unchecked / self.cost_model.profile.num_layers * max(0.0, full - none)
 
     def _pyramid(self, microbatch: ScheduledMicroBatch, unchecked: int) -> ScheduledMicroBatch:
@@ -565,9 +580,9 @@ class DCPInterScheduler(_RoundScheduler):
         layers = self.cost_model.profile.num_layers
         full = microbatch.predicted_time
         positions = microbatch.positions
-        none = self.cost_model.time(
-            [self._lengths[p] for p in positions], microbatch.sp_size, RecomputePolicy.NONE,
-            [self._spans_now[p] for p in positions],
+        none = self.computed_time(
+            [self._lengths[p] for p in positions], [self._spans_now[p] for p in positions], microbatch.sp_size,
+            RecomputePolicy.NONE,
         )
         time = full - (unchecked / layers) * max(0.0, full - none)
         return replace(microbatch, predicted_time=time)
