@@ -1069,9 +1069,6 @@ KNOWN_GAPS: dict[str, str] = {
     "mochi": "data-dependent text-token selection (torch.nonzero in its attention processor) breaks the graph "
              "around every attention: the attentions and their projections run in eager code (refused by "
              "dcp.sync_gradients, named by dcp.check); needs capture_dynamic_output_shape_ops and a packed joint layout",
-    "z_image": "its padding mask (tokens padded to a multiple of 32) is an outer product of positions: gathered "
-               "(2 gathers at 15 tokens, budget 1); its embedders run in eager code after graph breaks (exact since "
-               "eager parameters are divided by the SP size)",
 }
 
 CASES: dict[str, RealCase] = {

@@ -38,6 +38,7 @@ import torch.fx as fx
 from dcp_compile.compiler.custom_autograd import custom_autograd_function, function_of
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import SDPA, AttentionSite, sdpa_argument
+from dcp_compile.compiler.passes.sequence_hints import token_dims_from_attention
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -108,6 +109,9 @@ class SequenceAnalysis:
     region_members: dict[fx.Node, AttentionSite] = field(default_factory=dict)  # its other nodes -> site
     positions: dict[Any, Any] = field(default_factory=dict)  # node or (node, index) -> TokenPositions
     parameters: frozenset[fx.Node] = frozenset()  # placeholders holding the model's parameters
+    # For a constant length only: the dimensions that hold the tokens on the way to an attention
+    # (ties between dimensions of the length's size are broken by them; see sequence_hints).
+    token_dims: dict[fx.Node, set[int]] | None = None
 
     def dims_of(self, node: Any, index: int | None = None) -> tuple[SequenceDim, ...]:
         role = self.roles.get(node) if isinstance(node, fx.Node) else None
@@ -933,13 +937,18 @@ def _sized_source(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     dims = tuple(SequenceDim(d) for d, size in enumerate(shape_of(value)) if _equal(size, analysis.length))
     if not dims:
         return RuleResult(NONE)
+    if analysis.token_dims is not None:
+        # A constant length that another size may equal (a width of 32 at 32 tokens): a
+        # computed value holds tokens where an attention reads them from; an input, unless
+        # an attention reads its tokens from another of its dimensions.
+        hinted = tuple(d for d in dims if d.dim in analysis.token_dims.get(node, ()))
+        if node.op not in ("placeholder", "get_attr") or (node in analysis.token_dims and hinted):
+            dims = hinted
+        if not dims:
+            return RuleResult(NONE)
     if len(dims) > 1:
         return RuleResult(MIXING, (), (), "creates a value with several sequence dimensions")
     return RuleResult(SOURCE, dims, (), "creates the sequence dimension")
-
-
-def target_is_view(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in VIEWS
 
 
 def _classify(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
@@ -978,11 +987,13 @@ def _classify(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
         # An op that keeps one sequence dimension but creates another (an expand of a mask, or a
         # bias over keys broadcast against a [B, 1, S, S] mask as Falcon's ALiBi is) mixes.
         value = _val(node)
-        # A reshape cannot form a symbolic length out of other dimensions, only match a constant
-        # one by coincidence (heads x head size = 32 = the padded token count): not checked then.
-        coincidence = target_is_view(node) and not analysis.length.free_symbols
-        if isinstance(value, torch.Tensor) and analysis.length is not None and not coincidence:
+        if isinstance(value, torch.Tensor) and analysis.length is not None:
             sized = {d for d, size in enumerate(shape_of(value)) if _equal(size, analysis.length)}
+            if analysis.token_dims is not None:
+                # A constant length: another size may equal it by coincidence (heads x head size
+                # = 32 = the padded token count); only a dimension an attention reads its tokens
+                # from counts as a second sequence dimension.
+                sized &= analysis.token_dims.get(node, set())
             if sized - {d.dim for d in result.dims}:
                 return RuleResult(MIXING, (), (), "creates a second sequence dimension")
     elif result.role == MIXING and not result.rewrite and not result.dims:
@@ -1078,6 +1089,8 @@ def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite],
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     parameters = frozenset(placeholders[i] for i in parameter_indices if i < len(placeholders))
     analysis = SequenceAnalysis(length=length, graph=fx_to_networkx(gm.graph), parameters=parameters)
+    if length is not None and not length.free_symbols:
+        analysis.token_dims = token_dims_from_attention(sites, length)
     for site in sites:
         if site.region is not None:
             analysis.regions[site.node] = site
