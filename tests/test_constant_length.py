@@ -12,6 +12,7 @@ and at one that is not, for comparison.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,5 +82,6 @@ def test_length_equal_to_the_width_is_sharded_at_parity():
     _check(WIDTH)
 
 
+@pytest.mark.slow
 def test_length_unlike_the_width_is_sharded_at_parity():
     _check(24)
