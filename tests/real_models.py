@@ -102,6 +102,8 @@ class RealCase:
     slow: bool = False
     notes: str = ""
     seed: int = BUILD_SEED
+    # torch._dynamo.config settings the case is compiled under, as its users must set them
+    dynamo_config: tuple[tuple[str, Any], ...] = ()
 
     def build(self) -> nn.Module:
         """The model, built under a fixed seed without disturbing the caller's RNG state."""
@@ -577,8 +579,16 @@ def _mochi_inputs(n, batch, g):
         "hidden_states": latent,
         "encoder_hidden_states": _text(g, batch),
         "timestep": _timestep(g, batch),
-        "encoder_attention_mask": torch.ones(batch, TEXT_LEN, dtype=torch.bool),
+        "encoder_attention_mask": _prompt_mask(batch),
     }, t * h * w
+
+
+def _prompt_mask(batch: int) -> Tensor:
+    """Every other sample's prompt is 3 tokens shorter: the text tokens a sample attends to
+    differ across the batch, as they do with real captions."""
+    mask = torch.ones(batch, TEXT_LEN, dtype=torch.bool)
+    mask[1::2, -3:] = False
+    return mask
 
 
 def _ltx_inputs(n, batch, g):
@@ -993,10 +1003,13 @@ _DIFFUSERS_CASES = [
          dict(patch_size=(1, 2, 2), in_channels=4, out_channels=4, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=2,
               cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32, **_HEADS),
          _wan_inputs, VIDEO_LENGTHS),
-    _dit("mochi", VIDEO, "MochiTransformer3DModel",
-         dict(patch_size=2, num_layers=2, pooled_projection_dim=16, in_channels=4, qk_norm="rms_norm", text_embed_dim=TEXT_DIM,
-              time_embed_dim=4, activation_fn="swiglu", max_sequence_length=TEXT_LEN, **_HEADS),
-         _mochi_inputs, VIDEO_LENGTHS, notes="asymmetric joint attention, text tokens selected by mask"),
+    replace(_dit("mochi", VIDEO, "MochiTransformer3DModel",
+                 dict(patch_size=2, num_layers=2, pooled_projection_dim=16, in_channels=4, qk_norm="rms_norm",
+                      text_embed_dim=TEXT_DIM, time_embed_dim=4, activation_fn="swiglu", max_sequence_length=TEXT_LEN, **_HEADS),
+                 _mochi_inputs, VIDEO_LENGTHS,
+                 notes="asymmetric joint attention over each sample's valid text tokens (torch.nonzero): "
+                       "compiled with capture_dynamic_output_shape_ops, else every attention runs in eager code"),
+            dynamo_config=(("capture_dynamic_output_shape_ops", True),)),
     _dit("ltx", VIDEO, "LTXVideoTransformer3DModel",
          dict(in_channels=8, out_channels=8, cross_attention_dim=32, num_layers=2, qk_norm="rms_norm_across_heads",
               caption_channels=TEXT_DIM, **_HEADS),
@@ -1066,9 +1079,6 @@ QUICK = {  # about a minute each on CI's 2 cores: the rest run after them while 
 # parity: a gap means extra gathers or an unsharded site, which stay exact); non-strict because a
 # fix of the mechanism turns them green one by one. The next plan takes them from here.
 KNOWN_GAPS: dict[str, str] = {
-    "mochi": "data-dependent text-token selection (torch.nonzero in its attention processor) breaks the graph "
-             "around every attention: the attentions and their projections run in eager code (refused by "
-             "dcp.sync_gradients, named by dcp.check); needs capture_dynamic_output_shape_ops and a packed joint layout",
 }
 
 CASES: dict[str, RealCase] = {
@@ -1342,6 +1352,8 @@ def zoo_worker(rank: int, world_size: int, case_name: str, lengths: tuple[int, .
 
     torch.set_num_threads(1)
     case = CASES[case_name]
+    for setting, value in case.dynamo_config:  # this process runs this case only
+        setattr(torch._dynamo.config, setting, value)
     lengths = tuple(lengths or case.lengths)
     rows = [new_row(case, n) for n in lengths]
     try:

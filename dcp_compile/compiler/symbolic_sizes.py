@@ -36,6 +36,23 @@ class SymbolicSizes:
         if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
             self.symbols.setdefault(size.node.expr, size)
 
+    def learn_created(self, traced: Any, value: Any) -> None:
+        """Sizes an op creates (``nonzero``'s row count: an unbacked symbol of the analysed graph)
+        are created anew by the re-trace: read each such symbol off the op's new output."""
+        if isinstance(traced, (tuple, list)) and isinstance(value, (tuple, list)):
+            for traced_item, value_item in zip(traced, value):
+                self.learn_created(traced_item, value_item)
+            return
+        if isinstance(traced, torch.SymInt):
+            pairs = [(traced, value)]
+        elif isinstance(traced, torch.Tensor) and isinstance(value, torch.Tensor) and traced.dim() == value.dim():
+            pairs = list(zip(traced.shape, value.shape))
+        else:
+            return
+        for old, new in pairs:
+            if isinstance(old, torch.SymInt) and isinstance(old.node.expr, sympy.Symbol):
+                self.symbols.setdefault(old.node.expr, new)
+
     def evaluate(self, expr: Any) -> Any:
         """An int for a constant, otherwise a SymInt computed from the graph's inputs."""
         if isinstance(expr, int):

@@ -893,9 +893,40 @@ def _pad_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     rank = _val(source).dim()
     padding = list(node.args[1])
     padded = {rank - 1 - i // 2 for i, amount in enumerate(padding) if not (isinstance(amount, int) and amount == 0)}
-    if any(seq.dim in padded for seq in analysis.dims_of(source)):
-        return _mixing("pads the sequence dimension", node, analysis)
-    return RuleResult(TOKEN_LOCAL, analysis.dims_of(source), (source,))
+    dims = []
+    for seq in analysis.dims_of(source):
+        if seq.dim not in padded:
+            dims.append(seq)
+            continue
+        extended = _padded_segments(node, seq, padding, rank)
+        if extended is None:
+            return _mixing("pads the sequence dimension", node, analysis)
+        dims.append(extended)
+    return RuleResult(TOKEN_LOCAL, tuple(dims), (source,))
+
+
+def _padded_segments(node: fx.Node, seq: SequenceDim, padding: list[Any], rank: int) -> SequenceDim | None:
+    """Constant padding of the sequence dimension joins the replicated segments around the
+    chunk: Mochi pads each sample's ``[video | its valid text]`` attention output with zeros to
+    ``video + all text``. Every rank holds ``[before | chunk | after]``, so padding its own value
+    on either end pads those segments, as it pads the full value. Non-negative amounts only (a
+    negative one crops, and could cut into the chunk)."""
+    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    if not seq.unflattened or mode != "constant":
+        return None
+    index = 2 * (rank - 1 - seq.dim)
+    amounts = [_size_value(amount) for amount in padding[index:index + 2]]
+    if len(amounts) != 2 or not all(isinstance(amount, (int, torch.SymInt)) for amount in amounts):
+        return None
+    left, right = (expression(amount) for amount in amounts)
+    if any(amount.is_number and amount < 0 for amount in (left, right)):
+        return None
+    return replace(seq, before=sympy.expand(seq.before + left), after=sympy.expand(seq.after + right))
+
+
+def _size_value(amount: Any) -> Any:
+    """A padding amount as given: an int, or the SymInt a size node computed."""
+    return _val(amount) if isinstance(amount, fx.Node) else amount
 
 
 @rule(aten.outer.default, aten.ger.default)

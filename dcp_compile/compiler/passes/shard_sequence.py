@@ -440,6 +440,7 @@ class ShardingInterpreter(fx.Interpreter):
                 return value
             value = self._run_full(n)
             self.full[n] = value
+            self.symbolic.learn_created(n.meta.get("val"), value)
             role = self.analysis.roles.get(n)
             if role is not None and role.role == SOURCE and _is_tensor(value):
                 self._learn_length(value, role.sequence_dims[0])
