@@ -199,13 +199,14 @@ def warm_up(compiled, model: torch.nn.Module, config: DiTConfig) -> None:
 
 
 def calibration_design() -> list[dcp.CalibrationPoint]:
-    """One clip of each length, and stacks of 4 and 16 short ones, at every SP size that holds them."""
+    """One clip of each length, and stacks of 4 to 64 short ones (up to the cap: the stacks
+    DCP-inter's profile picks), at every SP size that holds them."""
     points = []
     for sp in demo.sp_sizes_for(WORLD_SIZE):
         for length in sorted(SHAPES):
             if length <= MAX_TOKENS_PER_RANK * sp:
                 points.append(dcp.CalibrationPoint((length,), sp))
-        for length, count in ((16, 4), (16, 16), (64, 4), (64, 16), (256, 4)):
+        for length, count in ((16, 4), (16, 16), (16, 64), (64, 4), (64, 16), (256, 4)):
             points.append(dcp.CalibrationPoint((length,) * count, sp))
     return points
 
@@ -440,6 +441,13 @@ def report(result: dict, config: DiTConfig, wall: float) -> tuple[str, dict]:
     longest_share = statistics.fmean(r["longest_tokens"] / r["tokens"] for r in rows)
     worst = sorted(result["calibration_points"], key=lambda p: -abs(p["relative_error"]))[:3]
     coefficients = result["coefficients"]
+    spreads = [abs(a["seconds"] - b["seconds"]) / ((a["seconds"] + b["seconds"]) / 2)
+               for r in rows for name in SCHEDULES for a, b in zip(r[name]["repeats"], r[name]["repeats"][1:])]
+    if spreads:
+        lines += ["", f"Measurement resolution: two runs of one schedule on the same step, from the same weights, "
+                      f"differ by a median of {100 * statistics.median(spreads):.0f}% (at most "
+                      f"{100 * max(spreads):.0f}%): the shared machine's load moves step times by as much as the "
+                      "schedules differ."]
     lines += [
         "",
         "Calibrated cost per call (fixed), per token, per token-key and per clip (caption), by SP size: "
@@ -472,8 +480,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each schedule per step (the median is kept)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokens-per-step", type=int, default=DiTConfig.tokens_per_step)
+    parser.add_argument("--report-only", action="store_true", help="rewrite the .md from the .json; run nothing")
     args = parser.parse_args(argv)
     config = DiTConfig(tokens_per_step=args.tokens_per_step)
+    if args.report_only:
+        saved = json.loads((RESULTS / "end_to_end_cpu.json").read_text())
+        text, _ = report(saved, DiTConfig(**saved["config"]), saved["wall_seconds"])
+        (RESULTS / "end_to_end_cpu.md").write_text(text)
+        print(text)
+        return 0
     start = time.perf_counter()
     results = run_in_process_world(worker, WORLD_SIZE, args.steps, args.seed, config, args.repeats, timeout=3600)
     result = results[0]
