@@ -964,9 +964,8 @@ _DIFFUSERS_CASES = [
               out_channels=8, attention_bias=True, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
               norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6, video_length=3, **_HEADS),
          _latte_inputs, VIDEO_LENGTHS,
-         2 + DIT_BUDGET, "alternating spatial (per frame, H*W) and temporal (per position, F) attention: the sequence is "
-                         "re-laid out between them, one layout change per pair of blocks, plus the unpatchify",
-         notes="factorised spatial/temporal attention; learned temporal table for exactly 3 latent frames (both grids have 3)"),
+         notes="factorised spatial/temporal attention (the spatial tokens are sharded, so temporal attention is "
+               "rank-local); learned temporal table for exactly 3 latent frames (both grids have 3)"),
     _dit("cogvideox", VIDEO, "CogVideoXTransformer3DModel",
          dict(in_channels=4, out_channels=4, time_embed_dim=8, text_embed_dim=TEXT_DIM, num_layers=2, sample_width=16,
               sample_height=16, sample_frames=9, patch_size=2, temporal_compression_ratio=4, max_text_seq_length=TEXT_LEN, **_HEADS),
