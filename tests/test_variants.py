@@ -174,6 +174,17 @@ def test_backward_sends_as_many_all_to_alls_as_forward(recompute_records, policy
     assert forward == record.backward_graph.count(A2A) == 8  # 2 attentions x (q, k, v, out)
 
 
+ALL_REDUCE = "_c10d_functional.all_reduce.default("
+
+
+def test_returned_loss_needs_no_collective_in_backward(recompute_records):
+    # The loss (a shard-local sum and count, all-reduced) is returned as it is: its gradient is the
+    # same on every rank, so backward multiplies by P locally instead of all-reducing again.
+    record = recompute_records["none"]
+    assert record.forward_graph.count(ALL_REDUCE) == 1
+    assert record.backward_graph.count(ALL_REDUCE) == 0
+
+
 def test_recompute_trades_saved_activations(recompute_records):
     saved = {policy: record.saved_activation_bytes for policy, record in recompute_records.items()}
     assert saved["none"] > saved["attention"] > saved["selective"] > saved["full"], saved

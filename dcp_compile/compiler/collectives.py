@@ -36,6 +36,18 @@ def all_reduce_sum(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
     return _wait(functional.all_reduce(tensor.contiguous(), "sum", group_name))
 
 
+def all_reduce_sum_for_replicated_use(tensor: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
+    """``all_reduce_sum`` for a total that only replicated computation uses (a loss returned as it
+    is): its gradient is then the same on every rank, already divided by the group size at the
+    output, so the exact adjoint (another all-reduce: P equal copies summed) is a local multiply
+    by P. Written so that backward issues no collective: the all-reduce runs on a detached value
+    and a zero-valued term carries the gradient."""
+    total = all_reduce_sum(tensor.detach(), group_name)
+    if not tensor.requires_grad:
+        return total
+    return total + (tensor - tensor.detach()) * group_size
+
+
 def gather_sequence(local: torch.Tensor, dim: int, full_length, sp_size: int, group_name: str) -> torch.Tensor:
     """All-gather the chunks of a sequence dimension into the full, ordered sequence.
 

@@ -78,8 +78,10 @@ def _bar(total: int, description: str) -> Iterator[Any]:
     global _active_bar
     from tqdm.auto import tqdm
 
+    # Redrawn at every variant (mininterval=0): compiles are slow enough, and a fast warm-up
+    # would otherwise never show its last count before the bar is cleared.
     bar = tqdm(total=total, desc=description, unit="variant", file=sys.stderr, disable=not shows_progress(),
-               leave=False)
+               leave=False, mininterval=0)
     previous, _active_bar = _active_bar, (bar if not bar.disable else None)
     try:
         yield bar

@@ -291,6 +291,8 @@ def _normalize(dim: int, rank: int) -> int:
 
 @rule(SDPA)
 def _attention_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+    if not _seq_inputs(node, analysis):
+        return RuleResult(NONE)  # over another sequence (an audio stream, text): it mixes no token of ours
     query, key, value = node.args[:3]
     rank = _val(query).dim()
     seq = _single(analysis.dims_of(query))

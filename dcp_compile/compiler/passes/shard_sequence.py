@@ -641,6 +641,13 @@ class ShardingInterpreter(fx.Interpreter):
 
     # --- rewrites: the sequence-mixing ops with a cheap exact form -------------------------
 
+    def _total(self, partial: torch.Tensor, n: fx.Node) -> torch.Tensor:
+        """The sum of the ranks' ``partial``: when nothing sharded reads it downstream (a loss
+        that is returned as it is), backward needs no collective for it."""
+        if self.plan.sharded_nodes.isdisjoint(nx.descendants(self.analysis.graph, n)):
+            return collectives.all_reduce_sum_for_replicated_use(partial, self.group, self.sp_size)
+        return collectives.all_reduce_sum(partial, self.group)
+
     def _rewrite_sum_over_sequence(self, n: fx.Node) -> Any:
         source = n.args[0]
         local = self.as_chunk(source)
@@ -654,7 +661,7 @@ class ShardingInterpreter(fx.Interpreter):
             keepdim = bool(n.args[2]) if len(n.args) > 2 else bool(n.kwargs.get("keepdim", False))
         dtype = n.kwargs.get("dtype")
         partial = local.sum(dims, keepdim=keepdim, dtype=dtype)
-        total = collectives.all_reduce_sum(partial, self.group)
+        total = self._total(partial, n)
         self.rewrites.append(f"{n.name}: local sum + all-reduce")
         if n.target in (aten.mean.default, aten.mean.dim):
             count = self.length
@@ -723,7 +730,7 @@ class ShardingInterpreter(fx.Interpreter):
             count = valid.sum().to(local_sum.dtype)
         else:
             count = torch.where(valid, weight[target.clamp(min=0)], 0).sum().to(local_sum.dtype)
-        totals = collectives.all_reduce_sum(torch.stack([local_sum, count]), self.group)
+        totals = self._total(torch.stack([local_sum, count]), n)
         self.rewrites.append(f"{n.name}: shard-local {op.__name__ if hasattr(op, '__name__') else op} + all-reduce")
         return totals[0] / totals[1] if reduction == 1 else totals[0]
 
