@@ -491,9 +491,10 @@ def commentary(rows: list[dict], extra: dict, cfg: dict) -> list[str]:
         "idle before reading the third digit.")
     lines.append(
         "- Both compiled graphs do the same work: 4 all-to-alls per attention forward (q, k, v, output) and 4 in backward, "
-        "of identical sizes, the same local SDPA, one all-reduce of [loss sum, token count]. What dcp adds: the adjoint "
-        "of that all-reduce in backward (an all-reduce of a 2-element gradient that is the same on every rank, summed "
-        "and then divided by P again: a synchronisation point that changes nothing), and a few small copies. "
+        "of identical sizes, the same local SDPA, one all-reduce of [loss sum, token count]. dcp's backward has no all-reduce "
+        "(the loss's gradient is the same on every rank, so the all-reduce's adjoint is a local multiply by P; until "
+        "c8dff51 it was a second all-reduce, a synchronisation point that changed nothing); dcp adds its per-call rank "
+        "check (one 6-integer all-gather, about 0.9 ms on this machine: see consistency_overhead.md) and a few small copies. "
         + ("A first version of this benchmark whose "
            "hand-written model split q/k/v with `unbind` (a cheaper backward than the original model's permute and "
            "unpacking) measured dcp/hand = 1.059 (1.008-1.091) at 256 in a quiet period; written as in the original model "
