@@ -36,6 +36,8 @@ Notes that matter to parity tests:
 
 from __future__ import annotations
 
+import functools
+
 import importlib.util
 import math
 from collections.abc import Mapping
@@ -555,12 +557,13 @@ class TwoStreamBlock(nn.Module):
     itself and then over the other. Video queries over audio keys read a replicated context;
     audio queries over video keys read the sharded tokens: their keys and values go to the rank's
     heads, the audio queries are cut to the same heads and their output is gathered over heads.
-    Three heads, so at SP 2 and 4 the heads are padded."""
+    Three heads, so at SP 2 and 4 the heads are padded. ``by_hand`` writes the cross-attentions
+    as ``softmax(softcap(q @ k^T * scale)) @ v`` (a hand-written region) instead of SDPA."""
 
-    def __init__(self, video_dim: int, audio_dim: int, num_heads: int, head_dim: int) -> None:
+    def __init__(self, video_dim: int, audio_dim: int, num_heads: int, head_dim: int, by_hand: bool = False) -> None:
         super().__init__()
         inner = num_heads * head_dim
-        self.num_heads = num_heads
+        self.num_heads, self.by_hand = num_heads, by_hand
         self.video_qkv, self.audio_qkv = nn.Linear(video_dim, 3 * inner), nn.Linear(audio_dim, 3 * inner)
         self.video_self_out, self.audio_self_out = nn.Linear(inner, video_dim), nn.Linear(inner, audio_dim)
         self.video_cross_q, self.audio_cross_kv = nn.Linear(video_dim, inner), nn.Linear(audio_dim, 2 * inner)
@@ -575,14 +578,21 @@ class TwoStreamBlock(nn.Module):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
 
+    def _cross(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if not self.by_hand:
+            return self._attend(q, k, v)
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        scores = torch.tanh(scores / 5.0) * 5.0  # Gemma 2's soft-capping: no SDPA spelling, a region
+        return (scores.softmax(dim=-1) @ v).transpose(1, 2).flatten(2)
+
     def forward(self, video: Tensor, audio: Tensor) -> tuple[Tensor, Tensor]:
         video = video + self.video_self_out(self._attend(*self._heads(self.video_qkv(self.video_norm(video)), 3)))
         audio = audio + self.audio_self_out(self._attend(*self._heads(self.audio_qkv(self.audio_norm(audio)), 3)))
         (video_q,), (audio_q,) = self._heads(self.video_cross_q(video), 1), self._heads(self.audio_cross_q(audio), 1)
         audio_k, audio_v = self._heads(self.audio_cross_kv(audio), 2)
         video_k, video_v = self._heads(self.video_cross_kv(video), 2)
-        video_out = video + self.video_cross_out(self._attend(video_q, audio_k, audio_v))
-        audio_out = audio + self.audio_cross_out(self._attend(audio_q, video_k, video_v))
+        video_out = video + self.video_cross_out(self._cross(video_q, audio_k, audio_v))
+        audio_out = audio + self.audio_cross_out(self._cross(audio_q, video_k, video_v))
         return video_out, audio_out
 
 
@@ -591,9 +601,10 @@ class TwoStreamModel(nn.Module):
     ``forward(video [B, S, 24], audio [B, 5, 16]) -> (video [B, S, 24], audio [B, 5, 16])``:
     only the video stream grows with the sample, so only it is sharded."""
 
-    def __init__(self, video_dim: int = 24, audio_dim: int = 16, num_heads: int = 3, head_dim: int = 8) -> None:
+    def __init__(self, video_dim: int = 24, audio_dim: int = 16, num_heads: int = 3, head_dim: int = 8,
+                 by_hand: bool = False) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([TwoStreamBlock(video_dim, audio_dim, num_heads, head_dim) for _ in range(2)])
+        self.blocks = nn.ModuleList([TwoStreamBlock(video_dim, audio_dim, num_heads, head_dim, by_hand) for _ in range(2)])
 
     def forward(self, video: Tensor, audio: Tensor) -> tuple[Tensor, Tensor]:
         for block in self.blocks:
@@ -1154,6 +1165,8 @@ ZOO: dict[str, ZooCase] = {
         ZooCase("moe", MoEGPT, _lm_inputs, _lm_loss, _ids_len, causal=True),
         ZooCase("alibi", ALiBiGPT, _lm_inputs, _lm_loss, _ids_len, causal=True),
         ZooCase("two_stream", TwoStreamModel, _two_stream_inputs, _two_stream_loss, _video_len),
+        ZooCase("two_stream_by_hand", functools.partial(TwoStreamModel, by_hand=True), _two_stream_inputs,
+                _two_stream_loss, _video_len),
         ZooCase("no_attention", NoAttentionModel, _ids_only_inputs, _tensor_loss, _ids_len),
         ZooCase(
             "hf_llama", tiny_llama, _hf_lm_inputs, _lm_loss, _ids_len,

@@ -55,4 +55,5 @@ def test_two_ranks_folded_heads_with_alibi():
 def test_two_ranks_replicated_queries_over_sharded_tokens():
     # LTX-2's audio queries attend over the sharded video tokens: the keys and values go to the
     # rank's heads, the queries are cut to them, the output is gathered over (padded) heads.
-    run_parity(2, ["two_stream"], [12, 7])
+    # Also written by hand (softmax(q @ k^T) @ v, a hand-written region) instead of SDPA.
+    run_parity(2, ["two_stream", "two_stream_by_hand"], [12, 7])

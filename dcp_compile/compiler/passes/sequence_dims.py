@@ -365,6 +365,13 @@ def _region_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     """The output of a hand-written attention region: attention over q, k, v like SDPA's."""
     site = analysis.regions[node]
     seq = _single(analysis.dims_of(site.query))
+    if not analysis.dims_of(site.query):
+        kv_seqs = {_single(analysis.dims_of(other)) for other in (site.key, site.value)}
+        kv_seq = kv_seqs.pop() if len(kv_seqs) == 1 else None
+        if kv_seq is not None and kv_seq.dim == 2 and kv_seq.plain:
+            # Replicated queries over the sharded keys/values (see _replicated_query_attention).
+            return _mixing("attention from replicated queries over the sharded keys/values", node, analysis,
+                           rewrite="replicated_query_region", aligned=(site.key, site.value))
     if seq is None or seq.dim != 2 or not seq.plain:
         return _mixing("attention whose queries are not sequence-indexed on dim -2", node, analysis)
     aligned = [site.query]
@@ -1045,21 +1052,25 @@ def sequence_length_of(sites: list[AttentionSite]) -> Any:
     # no sequence of its own to shard: length 1 would make every size-1 dimension a "sequence".
     sites = [site for site in sites if not _equal(expression(_val(site.query).shape[-2]), 1)]
     counts: dict[Any, int] = {}
+    traced: dict[Any, int] = {}
     for site in sites:
         query, key = _val(site.query), _val(site.key)
         length = expression(query.shape[-2])
         if _equal(length, expression(key.shape[-2])):
             counts[length] = counts.get(length, 0) + 1
+            traced[length] = _traced_size(query.shape[-2])
     if not counts:
         for site in sites:
             length = expression(_val(site.query).shape[-2])
             counts[length] = counts.get(length, 0) + 1
+            traced[length] = _traced_size(_val(site.query).shape[-2])
     if not counts:
         return None
     # Most sites first; on a tie (a video model alternating spatial and temporal attention) the
     # longer length: sharding the spatial tokens leaves temporal attention rank-local, and a long
-    # dimension splits evenly over more ranks.
-    return max(counts, key=lambda length: (counts[length], _size_hint(length)))
+    # dimension splits evenly over more ranks. Two streams of one symbol each (LTX-2's video and
+    # audio self-attentions) are told apart by the sizes they were traced at, not by graph order.
+    return max(counts, key=lambda length: (counts[length], _size_hint(length), traced[length]))
 
 
 def _size_hint(expr: Any) -> int:

@@ -609,8 +609,38 @@ class ShardingInterpreter(fx.Interpreter):
         site = self.analysis.regions[n]
         query = self.as_chunk(site.query)
         lengths = chunk_lengths(self.length, self.sp_size)
+        query_layout, kv_layout = self._region_layouts(site, query, aligned, n)
+        query_heads = ulysses.sequence_to_heads(query, query_layout, lengths, self.group)
+        out = self._region_on_heads(site, n, aligned, query_heads, query_layout, kv_layout, lengths)
+        return ulysses.heads_to_sequence(out, query.shape[1], query.shape[2], lengths, self.group)
+
+    def _rewrite_replicated_query_region(self, n: fx.Node) -> Any:
+        """A hand-written attention whose queries are another, replicated stream's over the
+        sharded keys/values: as ``replicated_query_attention`` for SDPA, the queries are cut to
+        the rank's heads and the output is gathered over heads."""
+        if self.length is None:
+            raise CannotShard("attention before the sequence length is known")
+        site = self.analysis.regions[n]
+        aligned = {site.key, site.value}
+        query = self.as_full(site.query, consumer=n)
+        lengths = chunk_lengths(self.length, self.sp_size)
+        query_layout, kv_layout = self._region_layouts(site, query, aligned, n)
+        query_heads = ulysses.select_heads(query, query_layout.of_rank(self.rank), False)
+        out = self._region_on_heads(site, n, aligned, query_heads, query_layout, kv_layout, lengths)
+        self.rewrites.append(f"{n.name}: replicated queries over the sharded keys/values "
+                             "(keys/values to heads, output gathered over heads)")
+        return ulysses.gather_heads(out, query.shape[1], self.sp_size, self.group)
+
+    def _region_layouts(self, site: Any, query: torch.Tensor, aligned: set[fx.Node],
+                        n: fx.Node) -> tuple[ulysses.HeadLayout, ulysses.HeadLayout]:
         query_layout, kv_layout, _ = ulysses.plan_heads(query.shape[1], self._full_or_chunk(site.key, aligned, n).shape[1],
                                                         self.sp_size, enable_gqa=False)
+        return query_layout, kv_layout
+
+    def _region_on_heads(self, site: Any, n: fx.Node, aligned: set[fx.Node], query_heads: torch.Tensor,
+                         query_layout: ulysses.HeadLayout, kv_layout: ulysses.HeadLayout, lengths: list) -> torch.Tensor:
+        """The region's ops on the rank's heads: keys/values from the all-to-all (or cut to the
+        heads when every rank has them whole), masks and biases cut to the same heads."""
 
         def to_heads(node: fx.Node, layout: ulysses.HeadLayout) -> torch.Tensor:
             if node in aligned:
@@ -618,8 +648,7 @@ class ShardingInterpreter(fx.Interpreter):
             full = self.as_full(node, "the keys/values of an attention are read in full", consumer=n)
             return ulysses.select_heads(full, layout.of_rank(self.rank), False)
 
-        env = {site.query: ulysses.sequence_to_heads(query, query_layout, lengths, self.group),
-               site.key: to_heads(site.key, kv_layout), site.value: to_heads(site.value, kv_layout)}
+        env = {site.query: query_heads, site.key: to_heads(site.key, kv_layout), site.value: to_heads(site.value, kv_layout)}
 
         def region_value(member: fx.Node, argument: Any) -> Any:
             if argument in env:
@@ -634,7 +663,7 @@ class ShardingInterpreter(fx.Interpreter):
             kwargs = fx.map_arg(member.kwargs, lambda a: region_value(member, a))
             env[member] = getattr(self, member.op)(member.target, args, kwargs)
         self.sharded_sites.append(n.name)
-        return ulysses.heads_to_sequence(env[n], query.shape[1], query.shape[2], lengths, self.group)
+        return env[n]
 
     def _full_or_chunk(self, node: fx.Node, aligned: set[fx.Node], consumer: fx.Node) -> torch.Tensor:
         return self.as_chunk(node) if node in aligned else self.as_full(node, consumer=consumer)
