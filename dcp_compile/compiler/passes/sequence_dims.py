@@ -327,15 +327,17 @@ def _replicated_query_attention(node: fx.Node, analysis: SequenceAnalysis) -> Ru
     sequence, is gathered over heads. The alternative, gathering the keys and values, moves
     ``sp_size`` times the bytes of the all-to-all."""
     query, key, value = node.args[:3]
-    rank = _val(query).dim()
-    kv_seqs = {_single(analysis.dims_of(other)) for other in (key, value)}
-    if len(kv_seqs) != 1:
-        return None
-    seq = kv_seqs.pop()
-    if seq is None or seq.dim != rank - 2 or not seq.plain or bool(sdpa_argument(node, "is_causal")):
+    seq = _shared_sequence_dim(key, value, analysis)
+    if seq is None or seq.dim != _val(query).dim() - 2 or not seq.plain or bool(sdpa_argument(node, "is_causal")):
         return None
     return _mixing("attention from replicated queries over the sharded keys/values", node, analysis,
                    rewrite="replicated_query_attention", aligned=(key, value))
+
+
+def _shared_sequence_dim(key: fx.Node, value: fx.Node, analysis: SequenceAnalysis) -> SequenceDim | None:
+    """The one sequence dimension keys and values share, if they do."""
+    dims = {_single(analysis.dims_of(other)) for other in (key, value)}
+    return dims.pop() if len(dims) == 1 else None
 
 
 def _rank_local_attention(node: fx.Node, analysis: SequenceAnalysis, seq: SequenceDim) -> RuleResult:
@@ -366,8 +368,7 @@ def _region_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     site = analysis.regions[node]
     seq = _single(analysis.dims_of(site.query))
     if not analysis.dims_of(site.query):
-        kv_seqs = {_single(analysis.dims_of(other)) for other in (site.key, site.value)}
-        kv_seq = kv_seqs.pop() if len(kv_seqs) == 1 else None
+        kv_seq = _shared_sequence_dim(site.key, site.value, analysis)
         if kv_seq is not None and kv_seq.dim == 2 and kv_seq.plain:
             # Replicated queries over the sharded keys/values (see _replicated_query_attention).
             return _mixing("attention from replicated queries over the sharded keys/values", node, analysis,
@@ -918,8 +919,9 @@ def _padded_segments(node: fx.Node, seq: SequenceDim, padding: list[Any], rank: 
     """Constant padding of the sequence dimension joins the replicated segments around the
     chunk: Mochi pads each sample's ``[video | its valid text]`` attention output with zeros to
     ``video + all text``. Every rank holds ``[before | chunk | after]``, so padding its own value
-    on either end pads those segments, as it pads the full value. Non-negative amounts only (a
-    negative one crops, and could cut into the chunk)."""
+    on either end pads those segments, as it pads the full value. A negative constant amount
+    (a crop, which could cut into the chunk) is refused; a symbolic amount is taken as the model
+    computed it, a padding (``F.pad`` with a negative size would crop the full value too)."""
     mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
     if not seq.unflattened or mode != "constant":
         return None
