@@ -1166,24 +1166,16 @@ def eager_run(case: RealCase, tokens: int) -> tuple[dict[str, Tensor], dict[str,
 
 
 class AttentionCounter(torch.overrides.TorchFunctionMode):
-    """Counts SDPA calls (each one an attention site the compiled graphs must hold, unless it ran
-    in eager code after a graph break) and softmax calls (hand-written attention, but also MoE
-    routers: only an upper bound)."""
+    """Counts SDPA calls: each one an attention site the compiled graphs must hold, unless it ran
+    in eager code after a graph break."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sdpa_calls = 0
-        self.softmax_calls = 0
-
-    @property
-    def calls(self) -> int:
-        return self.sdpa_calls + self.softmax_calls
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.nn.functional.scaled_dot_product_attention:
             self.sdpa_calls += 1
-        elif func in (torch.softmax, torch.nn.functional.softmax, Tensor.softmax):
-            self.softmax_calls += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -1297,7 +1289,7 @@ def new_row(case: RealCase, tokens: int) -> dict[str, Any]:
         "model": case.name, "family": case.family, "library": case.library, "class": case.model_class,
         "requested": tokens, "tokens": None, "budget": case.gather_budget,
         "parity_ok": None, "max_error": None, "parity_problems": [],
-        "attention_sites": 0, "sites_covered": 0, "eager_attention_calls": None,
+        "attention_sites": 0, "sites_covered": 0, "eager_sdpa_calls": None, "graph_sdpa_calls": None,
         "gathers": 0, "gather_reasons": {}, "fallbacks": [], "unsharded": [], "graphs": 0, "graph_ids": [],
         "summary_lines": [], "error": None, "error_where": None, "traceback": None,
         "failures": [], "compile_seconds": None, "seconds": None,
@@ -1378,7 +1370,6 @@ def zoo_worker(rank: int, world_size: int, case_name: str, lengths: tuple[int, .
             graph_sdpa_calls = sdpa_runs_in_graphs(record, calls_seen)
             stage = "eager reference"
             outputs, grads, counter = eager_run(case, n)
-            row["eager_attention_calls"] = counter.calls
             check_eager_attention(row, counter.sdpa_calls, graph_sdpa_calls)
             stage = "compiled forward+backward"
             actual = compiled_run(model, compiled, case, n)

@@ -38,7 +38,6 @@ import torch.fx as fx
 from dcp_compile.compiler.custom_autograd import custom_autograd_function, function_of
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import SDPA, AttentionSite, sdpa_argument
-from dcp_compile.compiler.passes.sequence_hints import token_dims_from_attention
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -1198,3 +1197,4 @@ def sequence_dims_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 from dcp_compile.compiler.passes import token_permutations  # noqa: E402,F401  (registers its rules)
+from dcp_compile.compiler.passes.sequence_hints import token_dims_from_attention  # noqa: E402  (uses VIEWS above)

@@ -21,21 +21,15 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.compiler.passes.find_attention import SDPA, AttentionSite
+from dcp_compile.compiler.passes.sequence_dims import POINTWISE_EXTRA, VIEWS  # imported at its end
 
 aten = torch.ops.aten
 
 TokenDims = dict[fx.Node, set[int]]
 
-_SAME_DIM_OPS = {  # ops whose tensor inputs are aligned with the output from the right
-    aten.clone.default, aten.contiguous.default, aten._to_copy.default, aten.to.dtype, aten.type_as.default,
-    aten.to.dtype_layout, aten.detach.default, aten.alias.default, aten.dropout.default, aten.expand.default,
-    aten.native_dropout.default, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
-}
-_VIEWS = {
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
-    aten.unflatten.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
-    aten.view_as.default, aten.reshape_as.default, aten.view_as_complex.default, aten.view_as_real.default,
-}
+# Ops whose tensor inputs are aligned with the output from the right (besides pointwise ops).
+_SAME_DIM_OPS = POINTWISE_EXTRA | {aten.type_as.default, aten.expand.default}
+_VIEWS = VIEWS | {aten.view_as_complex.default, aten.view_as_real.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction}
 
