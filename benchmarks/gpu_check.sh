@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# GPU check of the dcp kernels: the kernel tests on CUDA, then the kernel benchmark.
+# GPU check of the dcp kernels: the kernel benchmark, the packed-rows benchmark, then the kernel tests on CUDA
+# (figures first: they are what a short device lease is for).
 #
 # Usage (from anywhere):  bash benchmarks/gpu_check.sh
 # Results go to $OUT when set (e.g. a device runner's output folder), else benchmarks/results/:
-#   kernels_nvidia_smi.txt, kernels_tests.log, kernels_tests.xml (junit),
+#   kernels_nvidia_smi.txt, kernels_tests.log (with the 15 slowest tests),
 #   kernels_bench.log, kernels_<gpu>.csv, kernels_<gpu>.png
 #
 # Knobs (environment):
 #   GPU_CHECK_TESTS   cuda (default: only the CUDA-parametrized tests, a few minutes of device time)
 #                     | all (also the CPU/interpreter cases) | none
 #   GPU_CHECK_BENCH   quick (default) | full | none
-#   GPU_CHECK_TIMEOUT seconds per step (default 420)
+#   GPU_CHECK_TIMEOUT seconds per step (default 420); GPU_CHECK_TEST_TIMEOUT for the tests alone
 #   GPU_CHECK_PACKED  yes (default: benchmarks/packed_vs_padded.py on CUDA, packed_vs_padded_cuda.md/.csv) | no
 set -uo pipefail
 
@@ -28,30 +29,18 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton._
 print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE")
 PY
 
-# The package must be importable as dcp_compile.kernels (editable install, no dependency changes).
-python -c "import dcp_compile.kernels" 2>/dev/null || pip install -e . --no-deps -q
+# torch.compile finds backend="dcp" through the package's entry point, so the package must be
+# installed, not only importable from this folder. The device image is offline: no build isolation
+# (it would fetch setuptools), no dependency changes.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python - <<'PY' 2>/dev/null || pip install -e . --no-deps --no-build-isolation -q
+import importlib.metadata as metadata, sys
+sys.exit(not any(e.name == "dcp" for e in metadata.entry_points(group="torch_dynamo_backends")))
+PY
 
 status=0
 # The tests must compile real kernels for CUDA tensors: never interpret here.
 unset TRITON_INTERPRET DCP_KERNELS
-
-if [ "$TESTS" = "cuda" ] && ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-  echo "no CUDA device visible: running every kernel test (CPU, interpreted) instead of the CUDA ones"
-  TESTS=all
-fi
-case "$TESTS" in
-  none) ;;
-  all)  selection=() ;;
-  *)    selection=(-k "cuda") ;;
-esac
-if [ "$TESTS" != "none" ]; then
-  echo "== kernel tests ($TESTS)"
-  timeout "$STEP_TIMEOUT" python -m pytest tests/kernels -q -rs -p no:cacheprovider "${selection[@]}" \
-      --junitxml "$OUT_DIR/kernels_tests.xml" 2>&1 | tee "$OUT_DIR/kernels_tests.log"
-  test_rc=${PIPESTATUS[0]}
-  echo "kernel tests exit code: $test_rc"
-  [ "$test_rc" -eq 0 ] || status=1
-fi
 
 if [ "$BENCH" != "none" ]; then
   bench_args=(--out-dir "$OUT_DIR")
@@ -73,5 +62,24 @@ if [ "${GPU_CHECK_PACKED:-yes}" != "no" ] && python -c "import torch, sys; sys.e
   echo "packed benchmark exit code: $packed_rc"
   [ "$packed_rc" -eq 0 ] || status=1
 fi
+
+if [ "$TESTS" = "cuda" ] && ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  echo "no CUDA device visible: running every kernel test (CPU, interpreted) instead of the CUDA ones"
+  TESTS=all
+fi
+case "$TESTS" in
+  none) ;;
+  all)  selection=() ;;
+  *)    selection=(-k "cuda") ;;
+esac
+if [ "$TESTS" != "none" ]; then
+  echo "== kernel tests ($TESTS)"
+  timeout "${GPU_CHECK_TEST_TIMEOUT:-$STEP_TIMEOUT}" python -m pytest tests/kernels -q -rs -p no:cacheprovider "${selection[@]}" --durations=15 \
+      2>&1 | tee "$OUT_DIR/kernels_tests.log"
+  test_rc=${PIPESTATUS[0]}
+  echo "kernel tests exit code: $test_rc"
+  [ "$test_rc" -eq 0 ] || status=1
+fi
+
 
 exit "$status"
