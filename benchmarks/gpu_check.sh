@@ -3,6 +3,9 @@
 # (figures first: they are what a short device lease is for).
 #
 # Usage (from anywhere):  bash benchmarks/gpu_check.sh
+# On an offline machine where `pip install -e .` cannot run, bring this checkout's
+# dcp_compile.egg-info along (it holds the entry point that makes backend="dcp" known): with the
+# checkout on PYTHONPATH, importlib.metadata finds it there.
 # Results go to $OUT when set (e.g. a device runner's output folder), else benchmarks/results/:
 #   kernels_nvidia_smi.txt, kernels_tests.log (with the 15 slowest tests),
 #   kernels_bench.log, kernels_<gpu>.csv, kernels_<gpu>.png
