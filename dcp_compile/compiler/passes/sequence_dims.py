@@ -111,6 +111,12 @@ class SequenceAnalysis:
     # For a constant length only: the dimensions that hold the tokens on the way to an attention
     # (ties between dimensions of the length's size are broken by them; see sequence_hints).
     token_dims: dict[fx.Node, set[int]] | None = None
+    # Token grids run on each rank's window (see grid_regions): entry -> region, its members (and
+    # size reads of them) -> region, its exits -> region; entries refused on an earlier attempt.
+    grid_regions: dict[fx.Node, Any] = field(default_factory=dict)
+    grid_members: dict[fx.Node, Any] = field(default_factory=dict)
+    grid_exits: dict[fx.Node, Any] = field(default_factory=dict)
+    refused_grids: dict[fx.Node, str] = field(default_factory=dict)
 
     def dims_of(self, node: Any, index: int | None = None) -> tuple[SequenceDim, ...]:
         role = self.roles.get(node) if isinstance(node, fx.Node) else None
@@ -443,6 +449,12 @@ def _view(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     if seq.joint:
         return _joint_view(node, analysis, source, seq)
     mapped = map_through_view(shape_of(_val(source)), shape_of(_val(node)), seq, analysis.length)
+    if mapped == grid_regions.SPLITS_SEQUENCE and node not in analysis.refused_grids:
+        region = grid_regions.find_grid_region(node, analysis)
+        if isinstance(region, grid_regions.GridRegion):
+            return grid_regions.register(region, analysis)
+        analysis.refused_grids[node] = region
+        log.info("dcp: %s gathers: no grid window: %s", node.name, region)
     if isinstance(mapped, str):
         return _mixing(mapped, node, analysis)
     return RuleResult(TOKEN_LOCAL, (mapped,), (source,))
@@ -995,6 +1007,10 @@ def _sized_source(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
 def _classify(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
     if node.op in ("placeholder", "get_attr"):
         return _sized_source(node, analysis)
+    if node in analysis.grid_exits:
+        return grid_regions.exit_rule(node, analysis)
+    if node in analysis.grid_members:
+        return grid_regions.member_rule(node, analysis)
     if node in analysis.regions:
         return _region_rule(node, analysis)
     if node in analysis.region_members:
@@ -1133,7 +1149,21 @@ def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite],
     length = long_segment_of(gm.graph, sequence_length_of(sites))
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     parameters = frozenset(placeholders[i] for i in parameter_indices if i < len(placeholders))
-    analysis = SequenceAnalysis(length=length, graph=fx_to_networkx(gm.graph), parameters=parameters)
+    graph = fx_to_networkx(gm.graph)
+    refused: dict[fx.Node, str] = {}
+    while True:
+        # A grid region found to read a sequence-indexed value from outside only once the
+        # propagation reaches that member is refused, and the analysis starts over without it.
+        try:
+            return _propagate(gm, sites, SequenceAnalysis(length=length, graph=graph, parameters=parameters,
+                                                          refused_grids=dict(refused)))
+        except grid_regions.GridRegionRefused as refusal:
+            refused[refusal.entry] = refusal.reason
+            log.info("dcp: %s gathers: no grid window: %s", refusal.entry.name, refusal.reason)
+
+
+def _propagate(gm: fx.GraphModule, sites: list[AttentionSite], analysis: SequenceAnalysis) -> SequenceAnalysis:
+    length = analysis.length
     if length is not None and not length.free_symbols:
         analysis.token_dims = token_dims_from_attention(sites, length)
     for site in sites:
@@ -1196,5 +1226,5 @@ def sequence_dims_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-from dcp_compile.compiler.passes import token_permutations  # noqa: E402,F401  (registers its rules)
+from dcp_compile.compiler.passes import grid_regions, token_permutations  # noqa: E402,F401  (registers its rules)
 from dcp_compile.compiler.passes.sequence_hints import token_dims_from_attention  # noqa: E402  (uses VIEWS above)

@@ -35,7 +35,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from dcp_compile.compiler import collectives
+from dcp_compile.compiler import collectives, grid_windows
 from dcp_compile.compiler.graph_capture import retrace
 from dcp_compile.compiler.passes import sharded_attention_op  # noqa: F401  (registers dcp::sharded_attention)
 from dcp_compile.compiler.passes.context import PassContext
@@ -214,6 +214,7 @@ class ShardingInterpreter(fx.Interpreter):
         self.rank_local_sites: list[str] = []
         self.replicated_sites: list[str] = []
         self.unsharded_sites: list[tuple[str, str]] = []
+        self.grid_windows: dict[fx.Node, Any] = {}  # grid entry -> outermost steps in this rank's window
 
     # --- layout conversions --------------------------------------------------------------
 
@@ -438,7 +439,11 @@ class ShardingInterpreter(fx.Interpreter):
                 else:
                     self.chunk[n] = value
                 return value
-            value = self._run_full(n)
+            region = self.analysis.grid_members.get(n)
+            if region is not None and region.entry in self.grid_windows:
+                value = self._run_in_grid_window(n, region)
+            else:
+                value = self._run_full(n)
             self.full[n] = value
             self.symbolic.learn_created(n.meta.get("val"), value)
             role = self.analysis.roles.get(n)
@@ -667,6 +672,57 @@ class ShardingInterpreter(fx.Interpreter):
 
     def _full_or_chunk(self, node: fx.Node, aligned: set[fx.Node], consumer: fx.Node) -> torch.Tensor:
         return self.as_chunk(node) if node in aligned else self.as_full(node, consumer=consumer)
+
+    # --- grid windows (see passes/grid_regions and grid_windows) --------------------------
+
+    def _window_arguments(self, region: Any) -> tuple:
+        return (self.length, self.symbolic.evaluate(region.unit), region.radius, self.sp_size, self.rank)
+
+    def _window_sizes(self, n: fx.Node, region: Any, tokens_dim: int | None = None) -> list[Any]:
+        """``n``'s sizes on this rank's window: the traced sizes, with the outermost grid steps
+        (or, at an exit, the tokens) of the window instead of the whole grid's."""
+        sizes = [self.symbolic.evaluate(expression(size)) for size in n.meta["val"].shape]
+        units = self.grid_windows[region.entry]
+        if tokens_dim is not None:
+            sizes[tokens_dim] = units * self.symbolic.evaluate(region.unit)
+        else:
+            grid_dim = region.grid_dims[n]
+            sizes[grid_dim.dim] = (self.symbolic.evaluate(grid_dim.outer) * units
+                                   * self.symbolic.evaluate(grid_dim.inner))
+        return sizes
+
+    def _rewrite_enter_grid_window(self, n: fx.Node) -> Any:
+        region = self.analysis.grid_regions[n]
+        local = self.as_chunk(n.args[0])
+        if self.length is None:
+            raise CannotShard("the sequence length is unknown where the grid is entered")
+        arguments = self._window_arguments(region)
+        _, units = grid_windows.window_units(*arguments)
+        window = grid_windows.exchange_grid_window(local, region.token_dim, *arguments, self.group)
+        self.grid_windows[n] = units
+        self.rewrites.append(f"{n.name}: this rank's window of the token grid (halo exchange of "
+                             f"{region.radius} step(s) of {region.unit} tokens each side, no gather)")
+        return window.reshape(self._window_sizes(n, region))
+
+    def _run_in_grid_window(self, n: fx.Node, region: Any) -> Any:
+        if n.target is aten.sym_size.int:
+            return self.symbolic.evaluate(expression(n.meta["val"]))  # the whole grid's size, as traced
+        args = fx.map_arg(n.args, self.as_full)
+        kwargs = fx.map_arg(n.kwargs, self.as_full)
+        target = n.target
+        if target in VIEWS:
+            return args[0].reshape(self._window_sizes(n, region))
+        if target is aten.expand.default:
+            return args[0].expand(self._window_sizes(n, region))
+        return getattr(self, n.op)(target, args, kwargs)
+
+    def _rewrite_leave_grid_window(self, n: fx.Node) -> Any:
+        region = self.analysis.grid_exits[n]
+        if region.entry not in self.grid_windows:  # the entry ran on gathered tokens
+            return self._narrow(self._run_full(n), self._seq_of(n))
+        tokens_dim = region.exits[n]
+        window = self.as_full(n.args[0]).reshape(self._window_sizes(n, region, tokens_dim))
+        return grid_windows.own_tokens_of_grid_window(window, tokens_dim, *self._window_arguments(region))
 
     # --- rewrites: the sequence-mixing ops with a cheap exact form -------------------------
 
