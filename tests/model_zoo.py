@@ -612,6 +612,62 @@ class TwoStreamModel(nn.Module):
         return video, audio
 
 
+class GridConvBlock(nn.Module):
+    """Attention over the tokens, then a feed-forward that convolves the token grid (Sana's Mix-FFN:
+    1x1 conv, 3x3 depthwise conv, gate, 1x1 conv). ``video=True`` is Sana-Video's spelling: the
+    frames folded into the batch for the spatial convs, then a (3, 1) conv over the frames, a
+    residual inside the feed-forward. ``x [B, F*H*W, D]`` with the grid ``(F, H, W)`` (F = 1 for images)."""
+
+    def __init__(self, dim: int = 16, heads: int = 2, video: bool = False) -> None:
+        super().__init__()
+        self.heads, self.video = heads, video
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        hidden = 2 * dim
+        self.conv_inverted = nn.Conv2d(dim, 2 * hidden, 1)
+        self.conv_depth = nn.Conv2d(2 * hidden, 2 * hidden, 3, 1, 1, groups=2 * hidden)
+        self.conv_point = nn.Conv2d(hidden, dim, 1, bias=False)
+        self.conv_temporal = nn.Conv2d(dim, dim, kernel_size=(3, 1), padding=(1, 0), bias=False) if video else None
+
+    def forward(self, x: Tensor, frames: int, height: int, width: int) -> Tensor:
+        B, S, D = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(B, S, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, S, D))
+        h = self.norm2(x)
+        if not self.video:
+            h = h.unflatten(1, (height, width)).permute(0, 3, 1, 2)
+            return x + self._mix(h).flatten(2, 3).permute(0, 2, 1)
+        grid = h.unflatten(1, (frames, height, width))
+        h = grid.reshape(B * frames, height, width, D).permute(0, 3, 1, 2)
+        h = self._mix(h)
+        temporal = h.view(B, frames, D, height * width).permute(0, 2, 1, 3)
+        h = (temporal + self.conv_temporal(temporal)).permute(0, 2, 3, 1).view(B, frames, height, width, D)
+        return x + (h + grid).flatten(1, 3)
+
+    def _mix(self, h: Tensor) -> Tensor:
+        h = self.conv_depth(F.silu(self.conv_inverted(h)))
+        h, gate = torch.chunk(h, 2, dim=1)
+        return self.conv_point(h * F.silu(gate))
+
+
+class GridConvModel(nn.Module):
+    """Patch tokens of a latent grid through two ``GridConvBlock`` s; returns the tokens."""
+
+    def __init__(self, video: bool = False, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, dim)
+        self.blocks = nn.ModuleList([GridConvBlock(dim, video=video) for _ in range(2)])
+
+    def forward(self, latent: Tensor) -> Tensor:
+        if latent.dim() == 4:
+            latent = latent.unsqueeze(2)  # an image: one frame
+        _, _, frames, height, width = latent.shape
+        x = self.embed(latent.flatten(2).transpose(1, 2))
+        for block in self.blocks:
+            x = block(x, frames, height, width)
+        return x
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. ViT-style encoder
 # ---------------------------------------------------------------------------------------------
@@ -1147,6 +1203,20 @@ def _vit_len(inputs: Mapping[str, Tensor]) -> int:
     return inputs["tokens"].shape[1] + 1  # + CLS
 
 
+def _grid_image_inputs(seq_len: int, batch_size: int, g: torch.Generator) -> dict[str, Tensor]:
+    """``seq_len`` rows of 3 tokens: a chunk boundary falls inside a row unless 2 * P divides it."""
+    return {"latent": torch.randn(batch_size, 4, seq_len, 3, generator=g)}
+
+
+def _grid_video_inputs(seq_len: int, batch_size: int, g: torch.Generator) -> dict[str, Tensor]:
+    """``seq_len`` frames of 3x5 tokens."""
+    return {"latent": torch.randn(batch_size, 4, seq_len, 3, 5, generator=g)}
+
+
+def _grid_len(inputs: Mapping[str, Tensor]) -> int:
+    return math.prod(inputs["latent"].shape[2:])
+
+
 def _dit_len(inputs: Mapping[str, Tensor]) -> int:
     _, _, H, W = inputs["x"].shape
     return (H // 2) * (W // 2)
@@ -1167,6 +1237,9 @@ ZOO: dict[str, ZooCase] = {
         ZooCase("two_stream", TwoStreamModel, _two_stream_inputs, _two_stream_loss, _video_len),
         ZooCase("two_stream_by_hand", functools.partial(TwoStreamModel, by_hand=True), _two_stream_inputs,
                 _two_stream_loss, _video_len),
+        ZooCase("grid_conv_image", GridConvModel, _grid_image_inputs, _tensor_loss, _grid_len),
+        ZooCase("grid_conv_video", functools.partial(GridConvModel, video=True), _grid_video_inputs, _tensor_loss,
+                _grid_len),
         ZooCase("no_attention", NoAttentionModel, _ids_only_inputs, _tensor_loss, _ids_len),
         ZooCase(
             "hf_llama", tiny_llama, _hf_lm_inputs, _lm_loss, _ids_len,

@@ -921,9 +921,8 @@ _DIFFUSERS_CASES = [
          dict(patch_size=1, in_channels=4, out_channels=4, num_layers=2, num_cross_attention_heads=4,
               cross_attention_head_dim=8, cross_attention_dim=32, caption_channels=TEXT_DIM, sample_size=16, **_HEADS),
          _sana_inputs, IMAGE_LENGTHS,
-         2 + DIT_BUDGET, "linear self-attention (ReLU kernel, sums over the sequence) is not softmax attention: one gather "
-                         "per layer unless a sum-over-sequence rewrite applies, plus the unpatchify",
-         notes="linear self-attention; only the cross-attention is SDPA"),
+         notes="linear self-attention (sums over the sequence: local sums + all-reduce); Mix-FFN convolutions over "
+               "the token grid on each rank's window of rows (halo exchange)"),
     _dit("hunyuan_dit", IMAGE, "HunyuanDiT2DModel",
          dict(sample_size=16, patch_size=2, in_channels=4, num_layers=2, cross_attention_dim=TEXT_DIM, cross_attention_dim_t5=TEXT_DIM,
               pooled_projection_dim=8, hidden_size=32, text_len=TEXT_LEN, text_len_t5=13, activation_fn="gelu-approximate", **_HEADS),
@@ -1043,8 +1042,8 @@ _DIFFUSERS_CASES = [
               patch_size=(1, 2, 2), norm_elementwise_affine=False, norm_eps=1e-6, qk_norm="rms_norm_across_heads",
               rope_max_seq_len=32, **_HEADS),
          _sana_video_inputs, VIDEO_LENGTHS,
-         2 + DIT_BUDGET, "linear self-attention (sums over the sequence): one gather per layer unless rewritten, plus the unpatchify",
-         notes="linear self-attention; only the cross-attention is SDPA"),
+         notes="linear self-attention (local sums + all-reduce); Mix-FFN and temporal convolutions on each rank's "
+               "window of frames (halo exchange)"),
     _dit("motif_video", VIDEO, "MotifVideoTransformer3DModel",
          dict(in_channels=4, out_channels=4, num_layers=1, num_single_layers=1, num_decoder_layers=0, mlp_ratio=2.0, patch_size=2,
               patch_size_t=1, qk_norm="rms_norm", norm_type="layer_norm", text_embed_dim=TEXT_DIM, image_embed_dim=None,

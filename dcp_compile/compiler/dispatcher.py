@@ -183,10 +183,16 @@ class Dispatcher:
         return compiled
 
 
+# dcp's own ops that communicate inside (the halo exchange of a token grid's window).
+COMMUNICATING_OPS = ("dcp.exchange_grid_window",)
+
+
 def count_collectives(gm: fx.GraphModule) -> dict[str, int]:
     counts: dict[str, int] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and "_c10d_functional" in str(node.target) and "wait_tensor" not in str(node.target):
+        if node.op == "call_function" and (
+                ("_c10d_functional" in str(node.target) and "wait_tensor" not in str(node.target))
+                or str(node.target).startswith(COMMUNICATING_OPS)):
             name = str(node.target).split(".")[-2] if str(node.target).count(".") >= 2 else str(node.target)
             counts[name] = counts.get(name, 0) + 1
     return counts

@@ -148,6 +148,8 @@ def _follow(node: fx.Node, region: GridRegion, grid: SequenceAnalysis, reach: di
         return "no rule for it on a window of the grid"
     if result.role != TOKEN_LOCAL or len(result.dims) != 1:
         return result.reason or "it reads across the grid's outermost dimension"
+    if not (_equal(result.dims[0].before, 0) and _equal(result.dims[0].after, 0)):
+        return "it pads or concatenates along the grid's outermost dimension"
     for other in outside:
         if grid.roles.get(other) is not None and grid.roles[other].role == SOURCE:
             return "combines the grid with a value indexed by grid position from outside"

@@ -133,6 +133,8 @@ class SequenceAnalysis:
                 continue
             dims = ", ".join(str(d) for d in role.sequence_dims) or "-"
             detail = role.rewrite and f"rewrite: {role.rewrite}" or role.reason
+            if node in self.refused_grids and not role.rewrite:
+                detail += f" (no grid window: {self.refused_grids[node]})"
             rows.append((node.name, str(node.target).replace("aten.", ""), role.role, f"{dims} {detail}".strip()))
         return rows
 
