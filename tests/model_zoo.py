@@ -618,7 +618,7 @@ class GridConvBlock(nn.Module):
     frames folded into the batch for the spatial convs, then a (3, 1) conv over the frames, a
     residual inside the feed-forward. ``x [B, F*H*W, D]`` with the grid ``(F, H, W)`` (F = 1 for images)."""
 
-    def __init__(self, dim: int = 16, heads: int = 2, video: bool = False) -> None:
+    def __init__(self, dim: int = 16, heads: int = 4, video: bool = False) -> None:
         super().__init__()
         self.heads, self.video = heads, video
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
@@ -653,14 +653,19 @@ class GridConvBlock(nn.Module):
 class GridConvModel(nn.Module):
     """Patch tokens of a latent grid through two ``GridConvBlock`` s; returns the tokens."""
 
-    def __init__(self, video: bool = False, dim: int = 16) -> None:
+    def __init__(self, video: bool = False, dim: int = 16, patch: int = 1) -> None:
         super().__init__()
-        self.embed = nn.Linear(4, dim)
+        self.patch = patch
+        self.embed = nn.Linear(4 * patch * patch, dim)
         self.blocks = nn.ModuleList([GridConvBlock(dim, video=video) for _ in range(2)])
 
     def forward(self, latent: Tensor) -> Tensor:
         if latent.dim() == 4:
             latent = latent.unsqueeze(2)  # an image: one frame
+        if self.patch > 1:  # patches of p x p latent pixels: a grid of (H//p, W//p) tokens
+            B, C, T, H, W = latent.shape
+            p = self.patch
+            latent = latent.view(B, C, T, H // p, p, W // p, p).permute(0, 1, 4, 6, 2, 3, 5).reshape(B, C * p * p, T, H // p, W // p)
         _, _, frames, height, width = latent.shape
         x = self.embed(latent.flatten(2).transpose(1, 2))
         for block in self.blocks:

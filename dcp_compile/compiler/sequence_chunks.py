@@ -1,7 +1,7 @@
 """How a sequence of length L is cut into the contiguous chunks that the ranks of an SP group hold.
 
-Rank r of a P-rank group holds ``(L + P - 1 - r) // P`` tokens starting at the sum of the chunks
-before it: the first ``L % P`` ranks hold one token more, and ranks past the end of a short
+Rank r of a P-rank group holds ``(L + P - 1 - r) // P`` tokens (the last rank: the rest) starting
+at the sum of the chunks before it: the first ``L % P`` ranks hold one token more, and ranks past the end of a short
 sequence hold none. The formulas are plain integer arithmetic so that they work unchanged on
 SymInts: the compiled graph computes every chunk boundary from the symbolic length instead of
 branching on it, which is what keeps one trace valid for every length.
@@ -15,7 +15,15 @@ IntLike = TypeVar("IntLike")
 
 
 def chunk_length(length: IntLike, sp_size: int, rank: int) -> IntLike:
-    """Tokens held by ``rank`` (0 <= rank < sp_size) of a sequence of ``length`` tokens."""
+    """Tokens held by ``rank`` (0 <= rank < sp_size) of a sequence of ``length`` tokens.
+
+    The last rank's is written as what the others leave, ``length - start``: equal in value, but
+    the chunks then add up to ``length`` symbolically too. A gathered or all-to-all'd sequence
+    (whose size is the sum of the split sizes) is then ``length`` long, not
+    ``s//2 + (s+1)//2``, which Inductor cannot order against other strides when ``s`` is a
+    product of symbols (an image's ``H*W``)."""
+    if rank == sp_size - 1 and sp_size > 1:
+        return length - chunk_start(length, sp_size, rank)
     return (length + (sp_size - 1 - rank)) // sp_size
 
 
