@@ -151,3 +151,24 @@ def test_windows_through_inductor():
     from dcp_compile.testing.process_world import run_in_process_world
 
     assert run_in_process_world(_inductor_forward_worker, 2, timeout=1200) == [True, True]
+
+
+@pytest.mark.slow
+def test_inductor_stride_bug_falls_back_to_aot_eager_and_says_so(fake_world):
+    """A grid model's backward under Inductor hits pytorch/pytorch#172204 on torch 2.13 (also without
+    dcp): the variant runs under aot_eager instead, exact, and explain says why."""
+    from model_zoo import GridConvModel
+
+    torch.manual_seed(0)
+    model = GridConvModel()
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "inductor", "sp_size": 1})
+    latent = torch.randn(2, 4, 7, 3)
+    compiled(latent).pow(2).mean().backward()
+    got = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    model(latent).pow(2).mean().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-5)
+    text = str(dcp.explain(compiled, latent))
+    if torch.__version__.startswith(("2.11", "2.12", "2.13")):
+        assert "aot_eager instead of inductor" in text and "172204" in text, text

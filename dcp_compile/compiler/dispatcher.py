@@ -178,8 +178,9 @@ class Dispatcher:
             compiled = inner(gm, ctx.fake_inputs, variant_record)
         self.compiled[(variant, scalars)] = compiled
         variant_record.compile_seconds = time.perf_counter() - start
+        inner_name = "aot_eager, inductor failed" if variant_record.inner_fallback else self.options.inner
         report_compiled(CompiledVariant(self.record.graph_id, str(variant), variant_record.compile_seconds,
-                                        self.options.inner))
+                                        inner_name))
         return compiled
 
 

@@ -8,8 +8,10 @@ activations and the backward all-to-alls can be read).
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 import os
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -17,6 +19,8 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.compiler.record import VariantRecord
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -148,6 +152,23 @@ def compile_aot_eager(gm: fx.GraphModule, example_inputs: list[Any], record: Var
     )
 
 
+# Inductor on torch <= 2.13 sorts symbolic strides without the shape environment and fails on a
+# product of two size symbols (an image's ``H*W`` tokens), with or without dcp:
+# https://github.com/pytorch/pytorch/issues/172204 (fix proposed in pytorch/pytorch#185871).
+INDUCTOR_STRIDE_SORT_BUG = "cannot determine truth value of Relational"
+
+
+def _is_inductor_stride_sort_bug(error: BaseException) -> bool:
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, TypeError) and INDUCTOR_STRIDE_SORT_BUG in str(error):
+            return any("stride" in frame.name or "fill_order" in frame.name or frame.name == "argsort"
+                       for frame in traceback.extract_tb(error.__traceback__))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def compile_inductor(gm: fx.GraphModule, example_inputs: list[Any], record: VariantRecord) -> Callable:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -160,7 +181,19 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list[Any], record: Vari
             _record_forward(record, graph, user_outputs)
         return compile_fx_inner(graph, inputs, **kwargs)
 
-    return compile_fx(gm, example_inputs, inner_compile=recording_inner)
+    try:
+        return compile_fx(gm, example_inputs, inner_compile=recording_inner)
+    except Exception as error:
+        if not _is_inductor_stride_sort_bug(error):
+            raise
+    # Every rank compiles the same graph and meets the same bug, so they all take this branch.
+    record.inner_fallback = ("aot_eager instead of inductor: Inductor failed on symbolic strides it cannot "
+                             "order (a PyTorch bug, pytorch/pytorch#172204; the tokens are a product of two "
+                             "size symbols); upgrade torch, or pass options={'inner': 'aot_eager'} to skip "
+                             "the attempt")
+    log.warning("dcp: %s variant %s runs with %s", record.debug_path or "a graph", record.variant,
+                record.inner_fallback)
+    return compile_aot_eager(gm, example_inputs, record)
 
 
 def compile_eager(gm: fx.GraphModule, example_inputs: list[Any], record: VariantRecord) -> Callable:

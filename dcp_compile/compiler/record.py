@@ -37,6 +37,7 @@ class VariantRecord:
     sharded_regions: int = 0
     output_gathers: int = 0  # forward-only all-to-alls that return a chunked output in full
     fallback_reason: str | None = None
+    inner_fallback: str | None = None  # why the variant runs under another inner compiler than asked
     forward_graph: str | None = None
     backward_graph: str | None = None
     saved_activation_bytes: int | None = None  # per rank, at the traced length; inputs and their views excluded
@@ -124,6 +125,8 @@ class GraphRecord:
                 lines.append(f"    UNSHARDED fallback: {variant.fallback_reason}")
             else:
                 lines.append(f"    sharded regions: {variant.sharded_regions}")
+            if variant.inner_fallback:
+                lines.append(f"    inner compiler: {variant.inner_fallback}")
             if variant.collectives:
                 lines.append("    collectives: " + ", ".join(f"{k} x{v}" for k, v in sorted(variant.collectives.items())))
             for rewrite in variant.rewrites:
