@@ -117,6 +117,7 @@ def _compiled_inner_worker(rank, world_size, inner):
     return True
 
 
+@pytest.mark.slow
 def test_windows_through_aot_autograd_and_recompute_policies():
     from dcp_compile.testing.process_world import run_in_process_world
 
