@@ -221,6 +221,9 @@ def check_outside_inputs(node: fx.Node, region: GridRegion, analysis: SequenceAn
     """A member's inputs from outside the region must be the same whole value on every rank (weights,
     a per-sample modulation): a sequence-indexed one would be a chunk, not the window's positions."""
     for other in region.outside_inputs.get(node, ()):
+        if other in analysis.grid_members or other in analysis.grid_regions:
+            raise GridRegionRefused(region.entry, f"{node.name} combines the window with another grid's "
+                                                  f"({other.name}), whose window may differ")
         role = analysis.roles.get(other)
         if role is not None and (analysis.dims_of(other) or role.role not in (NONE, SOURCE)):
             raise GridRegionRefused(region.entry, f"{node.name} reads {other.name}, which is sequence-indexed, "
