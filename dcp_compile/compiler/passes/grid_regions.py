@@ -30,7 +30,7 @@ import torch.fx as fx
 from dcp_compile.compiler.passes.find_attention import SDPA
 from dcp_compile.compiler.passes.sequence_dims import (
     MIXING, NONE, POINTWISE_EXTRA, RULES, SOURCE, TOKEN_LOCAL, VIEWS, NodeRole, RuleResult, SequenceAnalysis,
-    SequenceDim, _divides, _equal, _normalize, _pointwise, _product, _val, map_through_view, shape_of,
+    SequenceDim, _divides, _equal, _pointwise, _product, _val, map_through_view, shape_of,
 )
 
 aten = torch.ops.aten

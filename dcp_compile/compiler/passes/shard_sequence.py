@@ -45,7 +45,7 @@ from dcp_compile.compiler.passes.sequence_dims import (
 )
 from dcp_compile.compiler.symbolic_sizes import SymbolicSizes, UnknownSymbol
 from dcp_compile.compiler import ulysses
-from dcp_compile.compiler.sequence_chunks import chunk_length, chunk_lengths, chunk_start
+from dcp_compile.compiler.sequence_chunks import chunk_lengths, chunk_start
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
