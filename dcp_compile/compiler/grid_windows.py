@@ -75,12 +75,19 @@ def exchange_grid_window(local: torch.Tensor, dim: int, length: int, unit: int, 
     return window.movedim(0, dim).contiguous()
 
 
+def _resized(tensor: torch.Tensor, dim: int, size: Any) -> torch.Tensor:
+    shape = list(tensor.shape)
+    shape[dim] = size
+    return tensor.new_empty(shape)
+
+
+def _remember_arguments(ctx, inputs, output) -> None:
+    ctx.arguments = inputs[1:]  # everything but the tensor: the adjoint takes the same
+
+
 @exchange_grid_window.register_fake
 def _(local, dim, length, unit, radius, sp_size, rank, group_name):
-    _, count = window_units(length, unit, radius, sp_size, rank)
-    shape = list(local.shape)
-    shape[dim] = count * unit
-    return local.new_empty(shape)
+    return _resized(local, dim, window_units(length, unit, radius, sp_size, rank)[1] * unit)
 
 
 @torch.library.custom_op("dcp::return_grid_window_gradient", mutates_args=())
@@ -103,20 +110,14 @@ def return_grid_window_gradient(window_gradient: torch.Tensor, dim: int, length:
 
 @return_grid_window_gradient.register_fake
 def _(window_gradient, dim, length, unit, radius, sp_size, rank, group_name):
-    shape = list(window_gradient.shape)
-    shape[dim] = chunk_length(length, sp_size, rank)
-    return window_gradient.new_empty(shape)
-
-
-def _exchange_setup(ctx, inputs, output):
-    ctx.arguments = inputs[1:]
+    return _resized(window_gradient, dim, chunk_length(length, sp_size, rank))
 
 
 def _exchange_backward(ctx, gradient):
     return (return_grid_window_gradient(gradient, *ctx.arguments),) + (None,) * len(ctx.arguments)
 
 
-exchange_grid_window.register_autograd(_exchange_backward, setup_context=_exchange_setup)
+exchange_grid_window.register_autograd(_exchange_backward, setup_context=_remember_arguments)
 
 
 @torch.library.custom_op("dcp::own_tokens_of_grid_window", mutates_args=())
@@ -130,9 +131,7 @@ def own_tokens_of_grid_window(window: torch.Tensor, dim: int, length: int, unit:
 
 @own_tokens_of_grid_window.register_fake
 def _(window, dim, length, unit, radius, sp_size, rank):
-    shape = list(window.shape)
-    shape[dim] = chunk_length(length, sp_size, rank)
-    return window.new_empty(shape)
+    return _resized(window, dim, chunk_length(length, sp_size, rank))
 
 
 @torch.library.custom_op("dcp::place_tokens_in_grid_window", mutates_args=())
@@ -150,18 +149,11 @@ def place_tokens_in_grid_window(chunk_gradient: torch.Tensor, dim: int, length: 
 
 @place_tokens_in_grid_window.register_fake
 def _(chunk_gradient, dim, length, unit, radius, sp_size, rank):
-    _, count = window_units(length, unit, radius, sp_size, rank)
-    shape = list(chunk_gradient.shape)
-    shape[dim] = count * unit
-    return chunk_gradient.new_empty(shape)
-
-
-def _own_setup(ctx, inputs, output):
-    ctx.arguments = inputs[1:]
+    return _resized(chunk_gradient, dim, window_units(length, unit, radius, sp_size, rank)[1] * unit)
 
 
 def _own_backward(ctx, gradient):
     return (place_tokens_in_grid_window(gradient, *ctx.arguments),) + (None,) * len(ctx.arguments)
 
 
-own_tokens_of_grid_window.register_autograd(_own_backward, setup_context=_own_setup)
+own_tokens_of_grid_window.register_autograd(_own_backward, setup_context=_remember_arguments)
