@@ -12,6 +12,8 @@ from torch import nn
 import dcp_compile as dcp
 from dcp_compile.compiler.grid_windows import _exchange_plan, window_units
 from dcp_compile.compiler.sequence_chunks import chunk_length, chunk_start
+from dcp_compile.testing.process_world import run_in_process_world
+from dcp_compile.testing.sharding_checks import sharding_problems
 from test_parity import run_parity
 
 
@@ -95,9 +97,9 @@ def test_explain_shows_the_window_and_what_refuses_one(fake_world):
     assert "no grid window: cumsum" in refused, refused
 
 
-def _compiled_inner_worker(rank, world_size, inner):
-    """The window ops through AOT autograd (with every recompute policy: a recomputed halo exchange
-    must still be exact) or Inductor (Max/Min in the window's size expressions)."""
+def _aot_autograd_worker(rank, world_size):
+    """The window ops through AOT autograd with every recompute policy (a recomputed halo exchange
+    must still be exact), sharded with no gather."""
     from model_zoo import ZOO, eager_reference
     from parity import compare, compiled_run
 
@@ -105,13 +107,13 @@ def _compiled_inner_worker(rank, world_size, inner):
     for name in ("grid_conv_image", "grid_conv_video"):
         case = ZOO[name]
         model = case.build()
-        compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": inner})
-        policies = ("none", "selective", "full") if inner == "aot_eager" else ("none",)
-        for policy, length in zip(policies, (7, 6, 5)):
+        compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "aot_eager"})
+        for policy, length in (("none", 7), ("selective", 6), ("full", 5)):
             with dcp.use(dcp.Variant(2, policy)):
                 actual = compiled_run(model, compiled, case, case.make_inputs(length))
-            problems += compare(f"{name}-{inner}-{policy}", length, eager_reference(case, length), actual,
-                                rtol=1e-4, atol=1e-5)
+                records = dcp.explain(compiled, **case.make_inputs(length))
+            problems += compare(f"{name}-{policy}", length, eager_reference(case, length), actual, rtol=1e-4, atol=1e-5)
+            problems += [f"{name}-{policy}@{length}: {p}" for p in sharding_problems(records, case.gather_budget)]
     if problems:
         raise AssertionError("\n".join(problems))
     return True
@@ -119,16 +121,14 @@ def _compiled_inner_worker(rank, world_size, inner):
 
 @pytest.mark.slow
 def test_windows_through_aot_autograd_and_recompute_policies():
-    from dcp_compile.testing.process_world import run_in_process_world
-
-    assert run_in_process_world(_compiled_inner_worker, 2, "aot_eager", timeout=1200) == [True, True]
+    assert run_in_process_world(_aot_autograd_worker, 2, timeout=1200) == [True, True]
 
 
 def _inductor_forward_worker(rank, world_size):
-    """The window's sizes (Max/Min of the chunk bounds) through Inductor's code generation. Forward
-    only: on torch 2.13 Inductor cannot compile the backward of a model whose tokens are a product
-    of two size symbols (``H*W``), with or without dcp (pytorch/pytorch#172204, #185510: stride
-    sorting without the shape env), which every grid model here is."""
+    """The window's sizes (Max/Min of the chunk bounds) through Inductor's code generation, sharded
+    with no gather. Forward only: on torch 2.13 Inductor cannot compile the backward of a model whose
+    tokens are a product of two size symbols (``H*W``), with or without dcp (pytorch/pytorch#172204,
+    #185510: stride sorting without the shape env), which every grid model here is."""
     from model_zoo import ZOO
     from parity import compare
 
@@ -141,7 +141,9 @@ def _inductor_forward_worker(rank, world_size):
             inputs = case.make_inputs(length)
             with torch.no_grad():
                 expected, actual = model(**inputs), compiled(**inputs)
+                records = dcp.explain(compiled, **inputs)
             problems += compare(f"{name}-inductor", length, (expected, {}), (actual, {}), rtol=1e-4, atol=1e-5)
+            problems += [f"{name}-inductor@{length}: {p}" for p in sharding_problems(records, case.gather_budget)]
     if problems:
         raise AssertionError("\n".join(problems))
     return True
@@ -149,8 +151,6 @@ def _inductor_forward_worker(rank, world_size):
 
 @pytest.mark.slow
 def test_windows_through_inductor():
-    from dcp_compile.testing.process_world import run_in_process_world
-
     assert run_in_process_world(_inductor_forward_worker, 2, timeout=1200) == [True, True]
 
 

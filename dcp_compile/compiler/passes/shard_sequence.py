@@ -40,6 +40,7 @@ from dcp_compile.compiler.graph_capture import retrace
 from dcp_compile.compiler.passes import sharded_attention_op  # noqa: F401  (registers dcp::sharded_attention)
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import SDPA, sdpa_argument
+from dcp_compile.compiler.passes.grid_regions import GridRegion
 from dcp_compile.compiler.passes.sequence_dims import (
     ATTENTION, MIXING, SOURCE, TOKEN_LOCAL, TOKEN_SET, VIEWS, SequenceAnalysis, SequenceDim, expression,
 )
@@ -675,10 +676,10 @@ class ShardingInterpreter(fx.Interpreter):
 
     # --- grid windows (see passes/grid_regions and grid_windows) --------------------------
 
-    def _window_arguments(self, region: Any) -> tuple:
+    def _window_arguments(self, region: GridRegion) -> tuple:
         return (self.length, self.symbolic.evaluate(region.unit), region.radius, self.sp_size, self.rank)
 
-    def _window_sizes(self, n: fx.Node, region: Any, tokens_dim: int | None = None) -> list[Any]:
+    def _window_sizes(self, n: fx.Node, region: GridRegion, tokens_dim: int | None = None) -> list[Any]:
         """``n``'s sizes on this rank's window: the traced sizes, with the outermost grid steps
         (or, at an exit, the tokens) of the window instead of the whole grid's."""
         sizes = [self.symbolic.evaluate(expression(size)) for size in n.meta["val"].shape]
@@ -704,7 +705,7 @@ class ShardingInterpreter(fx.Interpreter):
                              f"{region.radius} step(s) of {region.unit} tokens each side, no gather)")
         return window.reshape(self._window_sizes(n, region))
 
-    def _run_in_grid_window(self, n: fx.Node, region: Any) -> Any:
+    def _run_in_grid_window(self, n: fx.Node, region: GridRegion) -> Any:
         if n.target is aten.sym_size.int:
             return self.symbolic.evaluate(expression(n.meta["val"]))  # the whole grid's size, as traced
         args = fx.map_arg(n.args, self.as_full)
