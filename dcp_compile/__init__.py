@@ -39,6 +39,7 @@ _EXPORTS = {
     "use": "dcp_compile.compiler.variant_selection",
     "explain": "dcp_compile.compiler.inspection",
     "check": "dcp_compile.compiler.self_check",
+    "profile": "dcp_compile.device_profile",
     "CalibrationPoint": "dcp_compile.schedule.cost_model",
     "CostModel": "dcp_compile.schedule.cost_model",
     "ModelProfile": "dcp_compile.schedule.cost_model",
@@ -76,7 +77,7 @@ _EXPORTS = {
     "CheckFailed": "dcp_compile.compiler.self_check",
     "CannotPack": "dcp_compile.compiler.passes.use_varlen_attention",
 }
-_SUBPACKAGES = {"compiler", "kernels", "schedule", "runtime", "huggingface"}
+_SUBPACKAGES = {"compiler", "kernels", "schedule", "runtime", "huggingface", "accelerate"}
 
 __all__ = sorted([*_EXPORTS, "RecomputePolicy", "Variant", "RECOMPUTE_POLICIES"])
 
@@ -88,10 +89,6 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
-    if name == "huggingface":  # ``dcp.huggingface.use_packed_attention(model)``
-        module = importlib.import_module("dcp_compile.runtime.huggingface")
-        globals()[name] = module
-        return module
     if name in _SUBPACKAGES:
         return importlib.import_module(f"dcp_compile.{name}")
     raise AttributeError(f"module 'dcp_compile' has no attribute {name!r}")

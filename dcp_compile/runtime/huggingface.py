@@ -1,5 +1,8 @@
 """Packed micro-batches for Hugging Face models: ``attn_implementation="dcp"``.
 
+(The Trainer integration is :mod:`dcp_compile.runtime.trainer`; users import both from
+:mod:`dcp_compile.huggingface`.)
+
 Given packed ``position_ids`` (positions restarting at each sequence), Hugging Face's ``sdpa``
 implementation builds a dense ``[B, 1, T, T]`` block-causal mask from them, and masked attention
 cannot become varlen attention. The ``dcp`` implementation registered here is plain SDPA without a
