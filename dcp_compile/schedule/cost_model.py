@@ -61,6 +61,7 @@ from .analytic import (
 )
 from .calibration import CalibrationPoint, CalibrationReport
 from .hardware import Hardware
+from .measured_costs import MeasuredCosts
 from .model_profile import ModelProfile, video_attention_span
 
 __all__ = [
@@ -81,6 +82,13 @@ class CostModel:
     baselines plan with it), instead of our compiler's ``full``, which keeps the all-to-all outputs.
     Instances are immutable: every rank must plan with the same model, and a model that could change
     under a sampler would break that. :meth:`calibrate` returns a new one.
+
+    ``measured``: per-variant compute times that ``dcp.profile`` measured on the device
+    (:mod:`.measured_costs`). Where present they replace the analytic compute of that variant
+    (the ``linear``, ``attention``, ``memory`` and ``overhead`` terms); communication, which one
+    device cannot measure, stays modelled and is added on top; a variant that was not measured
+    gets the analytic prior scaled by how the nearest measured variant compared with it
+    (:meth:`source` says which of the three a variant's time is).
     """
 
     profile: ModelProfile
@@ -90,6 +98,7 @@ class CostModel:
     reserved_bytes: float = float(GiB)
     calibration: CalibrationReport | None = field(default=None, compare=False)
     collectives_recomputed: bool = False
+    measured: MeasuredCosts | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         unknown = set(self.scales) - set(COST_TERMS)
@@ -124,6 +133,18 @@ class CostModel:
 
     def time_coefficients(self, sp_size: int, recompute: RecomputePolicy | str = "none") -> TimeCoefficients:
         return _time_coefficients(self, sp_size, recompute)
+
+    def source(self, sp_size: int, recompute: RecomputePolicy | str = "none") -> str:
+        """Where this variant's compute time comes from: ``measured on <device>``, ``analytic
+        prior scaled to sp=<n>/<policy> measured on <device>``, or ``analytic``."""
+        if self.measured is None:
+            return "analytic"
+        if self.measured.fit_for(sp_size, recompute) is not None:
+            return f"measured on {self.measured.device}"
+        nearest = self.measured.nearest_fit(sp_size, recompute)
+        if nearest is None:
+            return "analytic"
+        return f"analytic prior scaled to sp={nearest.sp_size}/{nearest.recompute.value} measured on {self.measured.device}"
 
     def memory_coefficients(self, sp_size: int, recompute: RecomputePolicy | str = "none") -> MemoryCoefficients:
         return _memory_coefficients(self, sp_size, recompute)
@@ -228,18 +249,52 @@ class CostModel:
 @lru_cache(maxsize=4096)
 def _time_coefficients(model: CostModel, sp_size: int, recompute: RecomputePolicy | str) -> TimeCoefficients:
     raw = model.raw_term_coefficients(sp_size, recompute)
-    totals = [0.0, 0.0, 0.0]
-    for term, coefficients in raw.items():
-        scale = model.scales[term]
-        for i in range(3):
-            totals[i] += scale * coefficients[i]
     per_sequence = model.scales["linear"] * context_seconds_per_sequence(model.profile, model.hardware, recompute)
-    return TimeCoefficients(*totals, per_sequence=per_sequence)
+    if model.measured is None:
+        return TimeCoefficients(*_scaled_sum(model, raw, COST_TERMS), per_sequence=per_sequence)
+    communication = _scaled_sum(model, raw, ("communication",))
+    fit = model.measured.fit_for(sp_size, recompute)
+    if fit is not None:
+        # A measurement is one sample: its fixed part holds that sample's context work, which the
+        # separable form charges per sequence instead.
+        return TimeCoefficients(
+            max(fit.fixed - per_sequence, 0.0) + communication[0], fit.per_token + communication[1],
+            fit.per_token_key + communication[2], per_sequence=per_sequence,
+        )
+    nearest = model.measured.nearest_fit(sp_size, recompute)
+    compute_terms = tuple(t for t in COST_TERMS if t != "communication")
+    compute = _scaled_sum(model, raw, compute_terms)
+    if nearest is None:
+        return TimeCoefficients(*(a + b for a, b in zip(compute, communication)), per_sequence=per_sequence)
+    # The prior, scaled by how the nearest measured variant compares with its own prior at the
+    # longest micro-batch it measured (one sequence of that many tokens).
+    length = nearest.max_tokens
+    prior = _scaled_sum(model, model.raw_term_coefficients(nearest.sp_size, nearest.recompute), compute_terms)
+    prior_seconds = prior[0] + prior[1] * length + prior[2] * length * length + per_sequence
+    ratio = nearest.seconds([length]) / prior_seconds if prior_seconds > 0 else 1.0
+    return TimeCoefficients(
+        *(ratio * a + b for a, b in zip(compute, communication)), per_sequence=ratio * per_sequence,
+    )
+
+
+def _scaled_sum(model: CostModel, raw: dict[str, tuple[float, float, float]], terms: Iterable[str]) -> tuple[float, float, float]:
+    totals = [0.0, 0.0, 0.0]
+    for term in terms:
+        for i in range(3):
+            totals[i] += model.scales[term] * raw[term][i]
+    return totals[0], totals[1], totals[2]
 
 
 @lru_cache(maxsize=4096)
 def _memory_coefficients(model: CostModel, sp_size: int, recompute: RecomputePolicy | str) -> MemoryCoefficients:
-    return memory_coefficients(
+    analytic = memory_coefficients(
         model.profile, sp_size, recompute, optimizer_shards=model.optimizer_shards, reserved_bytes=model.reserved_bytes,
         collectives_recomputed=model.collectives_recomputed,
     )
+    fit = model.measured.fit_for(sp_size, recompute) if model.measured is not None else None
+    measured = fit.memory_coefficients() if fit is not None else None
+    if measured is None:
+        return analytic
+    # Model state (parameters, gradients, optimizer, runtime reserve) stays counted; the
+    # activations are what the allocator measured above it during the forward and backward.
+    return MemoryCoefficients(analytic.fixed_bytes + measured.fixed_bytes, measured.bytes_per_token)

@@ -3,7 +3,8 @@
 The published system profiles, writes files and relaunches; here :meth:`CostModel.calibrate`
 returns a calibrated model in the same process, and :func:`save` / :func:`load` keep it for the
 next job. Format: ``{"format": FORMAT, "version": VERSION, "profile": ..., "hardware": ...,
-"scales": ..., "optimizer_shards": ..., "reserved_bytes": ...}``; version 1 files (profiles
+"scales": ..., "optimizer_shards": ..., "reserved_bytes": ..., "measured": ...}`` (``measured``:
+what ``dcp.profile`` timed, see :mod:`.measured_costs`); version 1 and 2 files (profiles
 without ``head_activation_bytes_per_token``) still load.
 """
 
@@ -15,13 +16,14 @@ from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
 from .analytic import GiB
 from .hardware import Hardware
+from .measured_costs import MeasuredCosts
 from .model_profile import ModelProfile
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
 
 FORMAT = "dcp-compile cost model"
-VERSION = 2  # 2: profiles price what the head and loss keep per recompute policy
+VERSION = 3  # 2: profiles price what the head and loss keep per recompute policy; 3: measured costs
 
 Model = TypeVar("Model", bound="CostModel")
 
@@ -36,6 +38,7 @@ def cost_model_to_dict(model: "CostModel") -> dict[str, Any]:
         "optimizer_shards": model.optimizer_shards,
         "reserved_bytes": model.reserved_bytes,
         "collectives_recomputed": model.collectives_recomputed,
+        "measured": None if model.measured is None else model.measured.to_dict(),
     }
 
 
@@ -49,6 +52,7 @@ def cost_model_from_dict(cls: type[Model], data: Mapping[str, Any]) -> Model:
         optimizer_shards=int(data.get("optimizer_shards", 1)),
         reserved_bytes=float(data.get("reserved_bytes", GiB)),
         collectives_recomputed=bool(data.get("collectives_recomputed", False)),
+        measured=MeasuredCosts.from_dict(data["measured"]) if data.get("measured") else None,
     )
 
 

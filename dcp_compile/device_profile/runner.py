@@ -1,0 +1,193 @@
+"""``dcp.profile``: the cost model measured on the device at hand, as the published profiler
+measures each bucket, but for any model and every variant the planner may choose."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from dcp_compile.compiler.variant_selection import use
+from dcp_compile.schedule.cost_model import CostModel
+from dcp_compile.schedule.hardware import Hardware
+from dcp_compile.schedule.measured_costs import MeasuredCosts, Measurement, fit_all, held_out_errors
+from dcp_compile.schedule.model_profile import ModelProfile
+from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, Variant
+
+from .device_timing import Timing, device_name, software_versions, time_step
+from .fake_world import fake_world
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LENGTHS = (256, 512, 1024, 2048)
+
+
+def default_held_out_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
+    """Points the fit does not see: the geometric midpoint of each pair of neighbouring fit
+    lengths, and one 1.5x past the longest (how the fit extrapolates)."""
+    ordered = sorted(set(lengths))
+    middles = [round(math.sqrt(a * b)) for a, b in zip(ordered, ordered[1:])]
+    return tuple(sorted({*middles, round(1.5 * ordered[-1])} - set(ordered)))
+
+
+def profile(
+    model: torch.nn.Module,
+    make_inputs: Callable[[int], Any],
+    *,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    held_out: Sequence[int] | None = None,
+    sp_sizes: Sequence[int] = (1, 2, 4, 8),
+    recompute: Sequence[RecomputePolicy | str] = RECOMPUTE_POLICIES,
+    causal: bool = False,
+    prior: ModelProfile | None = None,
+    hardware: Hardware | None = None,
+    optimizer_shards: int = 1,
+    inner: str = "inductor",
+    options: Mapping[str, Any] | None = None,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    repeats: int = 5,
+    warmup: int = 1,
+    path: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+) -> CostModel:
+    """Time the compiled model's per-rank work of every variant on this device; return the cost model.
+
+    For each SP size in ``sp_sizes`` and each policy in ``recompute``, the model compiled with
+    ``backend="dcp"`` runs that variant on a one-process fake world (collectives cost nothing:
+    see :mod:`.fake_world`) at each of ``lengths`` (tokens of one sample; ``make_inputs(length)``
+    builds its inputs, as for :meth:`dcp.ModelProfile.measure`), forward and backward, timed
+    in ``repeats`` rounds over all points after ``warmup`` rounds (median), with the allocator's peak
+    on a GPU. Each
+    variant's times are fitted as ``fixed + per_token * tokens + per_token_key * length^2``; the
+    ``held_out`` lengths (default: midpoints and 1.5x the longest) are measured too but kept out
+    of the fit, and their errors are in ``cost_model.measured.held_out``.
+
+    The returned :class:`~dcp_compile.CostModel` plans with the measured compute; communication
+    (which one device cannot measure) stays modelled from ``hardware`` (default
+    ``Hardware.detect()``), and a variant not measured gets the analytic prior (``prior``, or
+    FLOPs counted on the model) scaled to its nearest measured variant: ``cost_model.source(sp,
+    policy)`` says which. With ``path``, the result is written there as JSON, and a later call
+    with the same path loads it instead of measuring again (delete the file to re-measure).
+
+    Call it where ``torch.distributed`` is not initialised (one process), then load the file on
+    every rank with ``dcp.CostModel.load(path)``: all ranks must plan with the same numbers.
+    """
+    if path is not None and Path(path).exists():
+        loaded = CostModel.load(path)
+        log.info("dcp.profile: loaded %s (measured on %s)", path,
+                 loaded.measured.device if loaded.measured else "nothing: an analytic model")
+        return loaded
+    policies = tuple(RecomputePolicy.parse(p) for p in recompute)
+    sizes = tuple(sorted(set(int(s) for s in sp_sizes)))
+    fit_lengths = tuple(sorted(set(int(n) for n in lengths)))
+    if len(fit_lengths) < 3:
+        raise ValueError(f"dcp.profile needs 3 or more distinct lengths to fit fixed, per-token and attention "
+                         f"terms apart; got {fit_lengths}")
+    held_lengths = tuple(default_held_out_lengths(fit_lengths) if held_out is None else sorted(set(held_out)))
+    device = _device_of(model)
+    prior = prior or ModelProfile.measure(model, make_inputs, lengths=fit_lengths[:3], causal=causal)
+    hardware = hardware or Hardware.detect()
+    scalar = loss or scalar_loss
+
+    points = [(Variant(sp, policy), length) for sp in sizes for policy in policies for length in (*fit_lengths, *held_lengths)]
+    from tqdm.auto import tqdm
+
+    with fake_world(max(sizes)):
+        compiled = torch.compile(model, backend="dcp", dynamic=True,
+                                 options={"inner": inner, "check_ranks": False, **(options or {})})
+        steps = [_training_step(compiled, model, make_inputs(length), variant, scalar) for variant, length in points]
+        # Rounds over the whole design rather than repeats of one point in a row: a slow phase of
+        # a shared machine then spreads over every point instead of landing on a few.
+        timings: list[list[Timing]] = [[] for _ in points]
+        rounds = ["warm-up"] * max(1, warmup) + ["timed"] * max(1, repeats)
+        bar = tqdm(total=len(rounds) * len(points), desc="dcp.profile", unit="point", disable=not progress, leave=False)
+        for kind in rounds:
+            for index, ((variant, length), step) in enumerate(zip(points, steps)):
+                bar.set_postfix_str(f"{kind} {variant} {length} tokens")
+                timing = time_step(step, device, repeats=1, warmup=0)
+                if kind == "timed":
+                    timings[index].append(timing)
+                bar.update()
+        bar.close()
+    model.zero_grad(set_to_none=True)
+
+    fitted: list[Measurement] = []
+    kept_out: list[Measurement] = []
+    for (variant, length), runs in zip(points, timings):
+        seconds = tuple(t.seconds for t in runs)
+        peaks = [t.peak_bytes for t in runs if t.peak_bytes is not None]
+        point = Measurement((length,), variant.sp_size, variant.recompute, statistics.median(seconds), seconds,
+                            max(peaks) if peaks else None)
+        (kept_out if length in held_lengths else fitted).append(point)
+
+    fits = fit_all(fitted)
+    notes = [
+        f"per-rank work of each variant timed on one device on a fake {max(sizes)}-rank process group: "
+        "collectives move no data, so these are compute times; the cost model adds modelled communication",
+        f"forward + backward, median of {repeats} timed rounds over all points after {warmup} warm-up round(s), "
+        f"inner compiler {inner}",
+    ]
+    if device.type != "cuda":
+        notes.append("memory not measured (the CPU allocator keeps no peak statistics): the analytic memory model is used")
+    measured = MeasuredCosts(
+        device=device_name(device), software=software_versions(device), fits=fits, measurements=tuple(fitted),
+        held_out=held_out_errors(fits, kept_out), memory_measured=device.type == "cuda", notes=tuple(notes),
+    )
+    cost_model = CostModel(prior, hardware, optimizer_shards=optimizer_shards, measured=measured)
+    summary = measured.held_out_summary()
+    if summary is not None:
+        log.info("dcp.profile: %d points fitted, held-out error median %.1f%%, worst %.1f%%",
+                 len(fitted), 100 * summary[0], 100 * summary[1])
+    if path is not None:
+        cost_model.save(path)
+    return cost_model
+
+
+def _training_step(compiled: Any, model: torch.nn.Module, inputs: Any, variant: Variant,
+                   scalar: Callable[[Any], torch.Tensor]) -> Callable[[], None]:
+    def step() -> None:
+        with use(variant):
+            value = scalar(_call(compiled, inputs))
+        value.backward()
+        # Keep gradient buffers allocated: the peak then measures activations, not them.
+        model.zero_grad(set_to_none=False)
+
+    return step
+
+
+def scalar_loss(output: Any) -> torch.Tensor:
+    """A scalar to run backward from: ``output.loss`` (Hugging Face), a scalar output itself, or
+    the mean of the first tensor output."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, (tuple, list)) and output:
+        return scalar_loss(output[0])
+    if isinstance(output, Mapping) and output:
+        return scalar_loss(next(iter(output.values())))
+    sample = getattr(output, "sample", None)  # diffusers' Transformer2DModelOutput
+    if isinstance(sample, torch.Tensor):
+        output = sample
+    if isinstance(output, torch.Tensor):
+        return output if output.numel() == 1 else output.float().mean()
+    raise TypeError(f"dcp.profile: cannot find a loss in the model's output ({type(output).__name__}); "
+                    "pass loss=lambda output: ... returning a scalar tensor")
+
+
+def _call(model: Any, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for parameter in model.parameters():
+        return parameter.device
+    return torch.device("cpu")

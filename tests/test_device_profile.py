@@ -1,0 +1,149 @@
+"""``dcp.profile``: the cost model measured on the device (here the CPU), fitted and checked on
+points it did not see; and how a measured model plans (measured compute, modelled communication)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dcp_compile as dcp
+from dcp_compile.demo.example_models import TinyGPT
+from dcp_compile.device_profile import default_held_out_lengths
+from dcp_compile.device_profile.fake_world import ProfilingWorldError
+from dcp_compile.schedule.measured_costs import MeasuredCosts, Measurement, fit_all, fit_variant, markdown_report
+from dcp_compile.variant import RecomputePolicy
+
+VOCAB = 256
+
+
+def _tiny_model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(VOCAB, 64, 2, 4)
+
+
+def _inputs(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+    return ids, ids
+
+
+# --------------------------------------------------------------------------- the fit
+def test_fit_recovers_the_separable_form_from_exact_points() -> None:
+    fixed, per_token, per_key = 2e-3, 5e-6, 3e-9
+    points = [Measurement((n,), 2, "none", fixed + per_token * n + per_key * n * n) for n in (64, 128, 256, 512, 1024)]
+    fit = fit_variant(points)
+    assert fit.fixed == pytest.approx(fixed, rel=1e-6)
+    assert fit.per_token == pytest.approx(per_token, rel=1e-6)
+    assert fit.per_token_key == pytest.approx(per_key, rel=1e-6)
+    assert fit.max_tokens == 1024
+
+
+def test_fit_refuses_mixed_variants_and_drops_the_quadratic_with_two_lengths() -> None:
+    with pytest.raises(ValueError, match="one variant at a time"):
+        fit_variant([Measurement((64,), 1, "none", 1.0), Measurement((64,), 2, "none", 1.0)])
+    line = fit_variant([Measurement((100,), 1, "full", 1.0 + 0.01 * 100), Measurement((200,), 1, "full", 1.0 + 0.01 * 200)])
+    assert line.per_token_key == 0.0 and line.per_token == pytest.approx(0.01, rel=1e-6)
+
+
+def test_memory_fit_from_allocator_peaks() -> None:
+    points = [Measurement((n,), 1, "none", 1e-3 * n, peak_bytes=4096 + 1000.0 * n) for n in (64, 128, 256)]
+    fit = fit_variant(points)
+    assert fit.activation_bytes_per_token == pytest.approx(1000.0)
+    assert fit.activation_fixed_bytes == pytest.approx(4096.0)
+
+
+def test_held_out_lengths_are_between_and_past_the_fitted_ones() -> None:
+    assert default_held_out_lengths((256, 512, 1024)) == (362, 724, 1536)
+
+
+# --------------------------------------------------------------------------- the cost model it makes
+def _synthetic_measured() -> MeasuredCosts:
+    points = [Measurement((n,), sp, policy, 1e-3 + 4e-6 * n / sp + 2e-9 * n * n / sp)
+              for sp in (1, 2) for policy in ("none", "full") for n in (128, 256, 512, 1024)]
+    return MeasuredCosts(device="test device", software={"torch": torch.__version__}, fits=fit_all(points),
+                         measurements=tuple(points))
+
+
+def test_measured_variants_plan_with_measured_compute_plus_modelled_communication() -> None:
+    profile = dcp.ModelProfile.transformer("t", num_layers=2, hidden_size=64, num_heads=4, vocab_size=VOCAB)
+    analytic = dcp.CostModel(profile, dcp.Hardware.this_cpu())
+    measured = dcp.CostModel(profile, dcp.Hardware.this_cpu(), measured=_synthetic_measured())
+    variable = 4e-6 * 512 + 2e-9 * 512 * 512
+    assert measured.time([512], 1) == pytest.approx(1e-3 + variable, rel=1e-6)  # SP 1: no communication
+    communication = analytic.terms([512], 2)["communication"]
+    assert communication > 0
+    assert measured.time([512], 2) == pytest.approx(1e-3 + variable / 2 + communication, rel=1e-6)
+    assert measured.source(2, "full") == "measured on test device"
+    assert measured.source(1, "selective").startswith("analytic prior scaled to sp=1/")
+    assert analytic.source(1, "none") == "analytic"
+    # An unmeasured SP size: the prior scaled by how the nearest measured variant compared with its own.
+    prior_ratio = measured.time([1024], 2, "none") / analytic.time([1024], 2, "none")
+    assert 0 < measured.time([4096], 4) < math.inf and prior_ratio > 0
+
+
+def test_measured_cost_model_round_trips_through_json(tmp_path) -> None:
+    profile = dcp.ModelProfile.transformer("t", num_layers=2, hidden_size=64, num_heads=4, vocab_size=VOCAB)
+    model = dcp.CostModel(profile, dcp.Hardware.this_cpu(), measured=_synthetic_measured())
+    model.save(tmp_path / "cost.json")
+    loaded = dcp.CostModel.load(tmp_path / "cost.json")
+    assert loaded.measured == model.measured
+    for sp in (1, 2, 4):
+        assert loaded.time([300, 200], sp, "full") == pytest.approx(model.time([300, 200], sp, "full"))
+    assert "test device" in markdown_report(loaded.measured)
+
+
+# --------------------------------------------------------------------------- measuring on this CPU
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory) -> tuple[dcp.CostModel, object]:
+    torch.set_num_threads(1)
+    path = tmp_path_factory.mktemp("profile") / "tiny.json"
+    model = _tiny_model()
+    cost_model = dcp.profile(model, _inputs, lengths=(64, 128, 256, 512), sp_sizes=(1, 2),
+                             recompute=("none", "full"), causal=True, inner="aot_eager", repeats=5,
+                             path=path, progress=False)
+    return cost_model, path
+
+
+def test_profile_measures_every_variant_and_checks_points_it_did_not_fit(profiled) -> None:
+    cost_model, _ = profiled
+    measured = cost_model.measured
+    assert {(f.sp_size, f.recompute) for f in measured.fits} == {
+        (1, RecomputePolicy.NONE), (1, RecomputePolicy.FULL), (2, RecomputePolicy.NONE), (2, RecomputePolicy.FULL)}
+    assert len(measured.measurements) == 16 and len(measured.held_out) == 16
+    assert {h.measurement.lengths[0] for h in measured.held_out} == {91, 181, 362, 768}
+    assert all(m.seconds > 0 and len(m.repeats) == 5 for m in measured.measurements)
+    median, worst = measured.held_out_summary()
+    # A shared, loaded CPU: the bound is loose, but a fit that is wrong in form (or a prediction
+    # for the wrong variant) misses by far more than this.
+    assert median < 0.35, markdown_report(measured)
+    # Per-rank work at SP 2 is cheaper than the whole sequence at SP 1 once the sequence is long.
+    fit1, fit2 = measured.fit_for(1, "none"), measured.fit_for(2, "none")
+    assert fit2.seconds([512]) < fit1.seconds([512])
+
+
+def test_profile_reuses_its_file_and_plans(profiled, monkeypatch) -> None:
+    cost_model, path = profiled
+    from dcp_compile.device_profile import runner
+
+    def must_not_measure(*args, **kwargs):
+        raise AssertionError("the saved profile should have been loaded")
+
+    monkeypatch.setattr(runner, "fake_world", must_not_measure)
+    loaded = dcp.profile(_tiny_model(), _inputs, sp_sizes=(1, 2), path=path, progress=False)
+    assert loaded.measured == cost_model.measured
+    sampler = dcp.DataCentricSampler([40, 700, 90, 300, 500, 60] * 4, tokens_per_step=2048, cost_model=loaded,
+                                     max_tokens_per_rank=400, seed=0, world_size=2, rank=0, max_sp_size=2)
+    step = next(iter(sampler))
+    assert step.microbatches and step.predicted_makespan > 0
+
+
+def test_profile_refuses_a_real_world_and_names_the_fix(tmp_path) -> None:
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(ProfilingWorldError, match="CostModel.load"):
+            dcp.profile(_tiny_model(), _inputs, lengths=(16, 32, 64), sp_sizes=(1, 2), progress=False)
+    finally:
+        dist.destroy_process_group()
