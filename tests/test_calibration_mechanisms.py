@@ -1,14 +1,17 @@
 """One test per mechanism the calibration against the published DCP figures rests on
-(``tests/test_simulator_calibration.py``): the published token unit, the measured speed of the
-Open-Sora stack, the per-sample text context, the published ``drop_last`` epoch, DCP-inter's
-profile ranked after the pyramid knapsack and the published SP's frame-axis padding. Small
-inputs: the whole file runs in seconds."""
+(``tests/test_simulator_calibration.py``): the published token unit, the per-sample text context,
+the published ``drop_last`` epoch, DCP-inter's profile ranked after the pyramid knapsack, and the
+released SP's layout (VideoSys 09ad75e, ``published_sp``: spatial shards padded to the SP size,
+spatial attention after a padded all-to-all switch over the frames, images switched over the
+padded batch). Each test checks the mechanism itself, never a published figure. Small inputs:
+the whole file runs in seconds."""
 
 from __future__ import annotations
 
 import math
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,22 +22,17 @@ from planner import FRAMES, RESOLUTIONS, opensora_workload, video_shape  # noqa:
 from dcp_compile.schedule.analytic import context_seconds_per_sequence  # noqa: E402
 from dcp_compile.schedule.cost_model import CostModel, ModelProfile  # noqa: E402
 from dcp_compile.schedule.hardware import Hardware  # noqa: E402
-from dcp_compile.schedule.measured_efficiency import (  # noqa: E402
-    COMPUTE_TERMS,
-    H800,
-    OPEN_SORA_STDIT_H800,
-    predicted_tokens_per_s_per_gpu,
-    stack_slowdown,
-    stdit_v1_profile,
-    with_stack_slowdown,
-)
 from dcp_compile.schedule.model_profile import video_attention_span  # noqa: E402
-from dcp_compile.schedule.published_accounting import (  # noqa: E402
-    frame_sharded_shape,
-    published_tokens,
-    transformer_tokens,
-)
+from dcp_compile.schedule.published_accounting import published_tokens, transformer_tokens  # noqa: E402
 from dcp_compile.schedule.published_schedulers import BucketParallelScheduler, DCPInterScheduler  # noqa: E402
+from dcp_compile.schedule.published_sp import (  # noqa: E402
+    STDiT3Layout,
+    VideoShape,
+    padded,
+    published_terms,
+    published_time,
+    rank_share,
+)
 
 STDIT3 = ModelProfile.from_config("stdit3-xl/2")
 
@@ -51,32 +49,6 @@ def test_published_tokens_are_latent_positions() -> None:
         for frames in FRAMES:
             assert transformer_tokens(frames, height, width) == math.prod(video_shape(resolution, frames))
             assert 3.9 <= published_tokens(frames, height, width) / transformer_tokens(frames, height, width) <= 4.0
-
-
-# --------------------------------------------------------------------------- stack speed
-def test_stack_slowdown_comes_from_open_sora_measurements() -> None:
-    """The Open-Sora stack runs the measured STDiT's compute 2-3.5x slower than the datasheet
-    defaults; the factor is a geometric mean of measured over predicted seconds per token."""
-    slowdown = stack_slowdown()
-    assert 2.0 < slowdown < 3.5
-    model = CostModel(stdit_v1_profile(), H800, optimizer_shards=8)
-    ratios = [predicted_tokens_per_s_per_gpu(model, r) / r.tokens_per_s_per_gpu for r in OPEN_SORA_STDIT_H800]
-    assert slowdown == pytest.approx(math.exp(sum(map(math.log, ratios)) / len(ratios)))
-    assert all(r.recompute == "full" and "acceleration.md" in r.source for r in OPEN_SORA_STDIT_H800)
-    # The measured model is smaller per token than STDiT3 (one MLP and one cross-attention per block pair).
-    assert 0.6 < stdit_v1_profile().linear_flops_per_token / STDIT3.linear_flops_per_token < 0.7
-
-
-def test_stack_slowdown_scales_compute_terms_only() -> None:
-    base = CostModel(STDIT3, Hardware.H100, optimizer_shards=32)
-    slow = with_stack_slowdown(base, 2.5)
-    lengths, spans = [54_000, 4_320], [1807.5, 1000.0]
-    before, after = base.terms(lengths, 4, "full", spans), slow.terms(lengths, 4, "full", spans)
-    for term in before:
-        expected = before[term] * (2.5 if term in COMPUTE_TERMS else 1.0)
-        assert after[term] == pytest.approx(expected)
-    with pytest.raises(ValueError):
-        with_stack_slowdown(base, 0.0)
 
 
 # --------------------------------------------------------------------------- per-sample context
@@ -105,18 +77,20 @@ def test_text_context_is_priced_per_sample_on_every_rank() -> None:
 # --------------------------------------------------------------------------- the published epoch
 @pytest.fixture(scope="module")
 def workload():
-    return opensora_workload("video balanced", 2, num_videos=2000)
+    # 8000 videos: at the datasheet speed DCP-inter's profiled batches are large enough that the
+    # min 15 accumulation cannot be fed from a 2000-video epoch (everything would be dropped).
+    return opensora_workload("video balanced", 2, num_videos=8000)
 
 
 def test_dcp_inter_drop_last_groups_never_run_dry(workload) -> None:
     """With ``drop_last`` every group of a round runs exactly its accumulation count of full
     profiled batches (the published sampler removes groups whose bucket cannot feed them); what
     is not trained is reported as dropped."""
-    model = with_stack_slowdown(CostModel(STDIT3, Hardware.H100, optimizer_shards=32), 2.5)
+    model = CostModel(STDIT3, Hardware.H100, optimizer_shards=32)
     scheduler = DCPInterScheduler(model, 32, max_accumulation=5, min_accumulation=15, drop_last=True)
     schedule = scheduler.schedule(workload.lengths, workload.spans)
     schedule.validate(len(workload.lengths))
-    assert 0 < len(schedule.dropped) < len(workload.lengths)  # min 15 accumulation drops much of a 2000-video epoch
+    assert 0 < len(schedule.dropped) < len(workload.lengths)  # min 15 accumulation drops much of the epoch
     spans: dict[int, float] = {}  # a bucket is a length; its span is its members' largest
     for length, span in zip(workload.lengths, workload.spans):
         spans[length] = max(span, spans.get(length, 0.0))
@@ -173,42 +147,108 @@ def test_dcp_inter_profile_ranks_batches_after_the_knapsack(length: int, span: f
     assert full + unchecked * (none - full) / STDIT3.num_layers <= pyramid.memory_cap + 1e-6
 
 
-# --------------------------------------------------------------------------- frame-axis padding
-@pytest.mark.parametrize("frames,height,width,sp,padded_frames", [
-    (1, 9, 16, 4, 4),  # a 144p image at SP 4: one real frame, three padded ones
-    (1, 9, 16, 1, 1),
-    (15, 15, 27, 4, 16),  # 240p, 51 frames
-    (30, 23, 40, 8, 32),  # 360p, 102 frames
-    (60, 30, 54, 4, 60),  # 204 frames: divisible, no padding
-    (120, 45, 80, 8, 120),
-])
-def test_published_sp_pads_latent_frames_to_the_sp_size(frames, height, width, sp, padded_frames) -> None:
-    per_frame = height * width
-    length, span = frame_sharded_shape(frames * per_frame, video_attention_span(frames, height, width), sp)
-    assert length == padded_frames * per_frame
-    assert span == video_attention_span(padded_frames, height, width)
+# --------------------------------------------------------------------------- the released SP (VideoSys 09ad75e)
+def test_pad_to_the_sp_size_like_set_pad() -> None:
+    """``comm.py: set_pad``: ``pad = (sp - size % sp) % sp``."""
+    assert [padded(n, 4) for n in (1, 4, 15, 30, 60, 144, 405)] == [4, 4, 16, 32, 60, 144, 408]
+    assert [padded(n, 8) for n in (6, 60, 1620)] == [8, 64, 1624]
+    assert padded(405, 1) == 405
 
 
-def test_frame_padding_leaves_full_attention_samples_alone() -> None:
-    for length in (2, 144, 4096, 100_000):  # (1 token is a 1 x 1 frame either way)
-        assert frame_sharded_shape(length, float(length), 4) == (length, float(length))
+@pytest.mark.parametrize("frames,height,width", [(1, 9, 16), (15, 15, 27), (30, 23, 40), (120, 45, 80)])
+def test_video_shape_reads_frames_and_spatial_tokens_back(frames, height, width) -> None:
+    span = video_attention_span(frames, height, width)
+    assert VideoShape.from_length_span(frames * height * width, span) == VideoShape(frames, height * width)
 
 
-def test_frame_padding_makes_images_at_sp4_about_four_times_slower_per_token_than_videos() -> None:
-    """What the published bucket-parallel figures imply (images at SP 4 2.6-4.5x slower per token
-    than videos): each bucket at its profiled SP-4 batch, priced as the published model computes
-    it, lands in that range; unpadded it is about 1.5x."""
+def test_full_attention_samples_have_no_video_shape() -> None:
+    for length in (2, 144, 4096, 100_000):
+        assert VideoShape.from_length_span(length, float(length)) is None
+
+
+def test_spatial_sharding_pads_each_frames_tokens_and_switches_over_padded_frames() -> None:
+    """240p x 51 frames (15 latent frames of 15 x 27 = 405 tokens) at SP 4: each rank keeps
+    ceil(405 / 4) = 102 tokens of every frame (``split_sequence(dim=2, pad=get_pad("spatial"))``);
+    the spatial attention runs on 16 / 4 = 4 whole frames (``dynamic_switch`` scatters the frames
+    padded to 16); the temporal attention attends over the 15 frames of the rank's positions."""
+    share = rank_share([VideoShape(15, 405)] * 2, 4)
+    assert share.local_tokens == 2 * 15 * 102
+    assert share.spatial_rows == 2 * 4 * 405
+    assert share.spatial_token_keys == 2 * 4 * 405 * 405
+    assert share.temporal_token_keys == 2 * 15 * 102 * 15
+    assert share.switch_elements == 2 * 16 * 102  # the padded [B, T_pad, S / sp] tensor each rank sends
+    assert share.samples == 2
+
+
+def test_images_at_sp4_switch_over_the_padded_batch() -> None:
+    """Six 144p images (1 x 144 tokens) at SP 4: spatially sharded like videos (36 tokens each per
+    rank); the spatial attention switch scatters the batch (``dynamic_switch(is_image=True)``,
+    ``get_pad("batch")``: 6 padded to 8), so each rank attends over 2 whole images; an image's
+    temporal attention is one key long and skipped (``if N == 1: x = v``)."""
+    share = rank_share([VideoShape(1, 144)] * 6, 4)
+    assert share.local_tokens == 6 * 36
+    assert share.spatial_rows == 2 * 144
+    assert share.spatial_token_keys == 2 * 144 * 144
+    assert share.temporal_token_keys == 0
+    assert share.switch_elements == 8 * 36
+    # A batch that divides by the SP size wastes nothing: per rank a quarter of the images' work.
+    even = rank_share([VideoShape(1, 144)] * 8, 4)
+    assert even.spatial_rows * 4 == 8 * 144 and even.local_tokens * 4 == 8 * 144
+
+
+def test_sp1_is_the_cost_model_for_videos() -> None:
+    """At SP 1 nothing is split or switched: the released layout prices a video exactly as the
+    cost model does (the split of the work between local tokens and switched rows is exact)."""
+    model = replace(CostModel(STDIT3, Hardware.H100, optimizer_shards=32), collectives_recomputed=True)
+    lengths = [15 * 405] * 3 + [60 * 1620]
+    spans = [video_attention_span(15, 15, 27)] * 3 + [video_attention_span(60, 30, 54)]
+    for policy in ("full", "none"):
+        assert published_time(model, lengths, spans, 1, policy) == pytest.approx(model.time(lengths, 1, policy, spans))
+
+
+def test_released_sp_pads_only_where_shapes_do_not_divide() -> None:
+    """With no padding (720p x 408 frames: 120 latent frames of 3600 tokens at SP 4) a rank
+    computes exactly a quarter of the work; with padded frames (15 at SP 4) the spatial attention
+    sub-blocks compute 16 / 15 of it."""
     model = CostModel(STDIT3, Hardware.H100, optimizer_shards=32)
-    image, video = (1, 9, 16), (60, 30, 54)  # 144p image; 480p x 204 frames (60 latent frames)
+    layout = STDiT3Layout.from_profile(STDIT3)
+    assert layout.spatial_blocks == 28 and 0.1 < layout.projection_share < 0.2
+    whole = published_terms(model, [120 * 3600], [video_attention_span(120, 45, 80)], 1, "full")
+    quarter = published_terms(model, [120 * 3600], [video_attention_span(120, 45, 80)], 4, "full")
+    context = model.scales["linear"] * context_seconds_per_sequence(STDIT3, model.hardware, "full")
+    assert quarter["linear"] - context == pytest.approx((whole["linear"] - context) / 4)
+    assert quarter["attention"] == pytest.approx(whole["attention"] / 4)
+    short = rank_share([VideoShape(15, 405)], 4)
+    assert short.spatial_rows / (15 * 405 / 4) == pytest.approx(16 / 15)
 
-    def per_token(shape, frame_sharded: bool) -> float:
-        scheduler = BucketParallelScheduler(model, 32, 10**6, sp_size=4, frame_sharded=frame_sharded)
-        length = math.prod(shape)
-        profile = scheduler.profile_bucket(length, video_attention_span(*shape), fixed_sp=4)
-        return profile.time / (profile.batch_size * length)
 
-    padded = per_token(image, True) / per_token(video, True)
-    plain = per_token(image, False) / per_token(video, False)
-    assert 2.6 <= padded <= 4.5
-    assert plain < 2.0
-    assert per_token(video, True) == per_token(video, False)  # 60 frames divide by 4
+def test_switch_all_to_alls_two_per_spatial_block_per_pass() -> None:
+    """Two all-to-alls per spatial block (into and out of the attention), none in the temporal
+    blocks; forward and backward, and the forward's again when a block is checkpointed whole."""
+    base = CostModel(STDIT3, Hardware.H100, optimizer_shards=32)
+    shape = VideoShape(60, 1620)
+    share = rank_share([shape], 4)
+    bytes_per_call = share.switch_elements * STDIT3.hidden_size * STDIT3.activation_dtype_bytes
+    per_call = base.hardware.all_to_all_latency(4) + bytes_per_call * base.hardware.all_to_all_seconds_per_byte(4)
+    span = video_attention_span(60, 30, 54)
+    for recomputed, policy, passes in ((False, "full", 2), (True, "full", 3), (True, "none", 2)):
+        model = replace(base, collectives_recomputed=recomputed)
+        sent = published_terms(model, [shape.tokens], [span], 4, policy)["communication"]
+        assert sent == pytest.approx(model.scales["communication"] * 2 * passes * 28 * per_call)
+    # Ulysses (our compiler) sends q, k, v and out in all 56 attention layers: 4x the calls, and more bytes.
+    ulysses = base.terms([shape.tokens], 4, "full", [span])["communication"]
+    assert ulysses > 3 * published_terms(base, [shape.tokens], [span], 4, "full")["communication"]
+
+
+def test_published_schedulers_price_the_released_sp_when_asked() -> None:
+    model = CostModel(STDIT3, Hardware.H100, optimizer_shards=32)
+    released = BucketParallelScheduler(model, 32, 10**6, sp_size=4, released_sp=True)
+    ulysses = BucketParallelScheduler(model, 32, 10**6, sp_size=4)
+    lengths, spans = [144] * 6, [video_attention_span(1, 9, 16)] * 6
+    assert released.computed_time(lengths, spans, 4, "full") == pytest.approx(
+        published_time(released.cost_model, lengths, spans, 4, "full"))
+    assert ulysses.computed_time(lengths, spans, 4, "full") == pytest.approx(
+        released.cost_model.time(lengths, 4, "full", spans))
+    # Text (no video shape) is priced by the cost model as is.
+    assert released.computed_time([4096], [4096.0], 4, "full") == pytest.approx(
+        ulysses.computed_time([4096], [4096.0], 4, "full"))

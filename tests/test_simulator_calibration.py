@@ -6,58 +6,72 @@ parallel at SP 4 with per-bucket batches from its profile, DCP-inter with the pu
 gradient sync after every round (``benchmarks/simulate.py: published_setting``). Published, in M
 tokens/s: bucket parallel 0.90 / 1.16 / 1.54, DCP-inter 2.24 / 2.06 / 1.97.
 
-What the model needed, none of it fitted to these six figures (each has its own unit test in
-``tests/test_calibration_mechanisms.py``):
+What is modelled (each mechanism has its own unit test in ``tests/test_calibration_mechanisms.py``,
+of the mechanism, not of these figures):
 
-* the published unit: the benchmark counts VAE latent positions before the 2x2 patch, ~3.96x the
-  transformer tokens the model prices (``published_accounting``, from VideoSys ``train.py``);
-* the published stack's speed: Open-Sora's own STDiT throughputs on H800 (gradient-checkpointed
-  rows of its ``docs/acceleration.md``) run the compute 2.55x slower than the datasheet defaults
-  (``measured_efficiency``);
-* the published epoch: ``drop_last`` (bucket tails and rounds that cannot be filled are discarded,
-  so DCP-inter's groups never run dry mid-round: +3-7% on its figures), and DCP-inter's profile
-  ranking every batch by its time after the pyramid knapsack (``published_schedulers``: +22-31%, the
-  largest single step, since small batches of short samples then run with few layers checkpointed);
+* the published unit: VAE latent positions before the 2x2 patch, ~3.96x the transformer tokens
+  (``published_accounting``, VideoSys ``train.py``);
+* the published SP as released (VideoSys 09ad75e, ``published_sp``): spatial shards of every frame
+  padded to the SP size, temporal blocks without communication, each spatial block's attention
+  on whole frames after a padded all-to-all switch over the frames, images switched over the
+  batch padded to the SP size;
+* the published epoch (``drop_last``) and DCP-inter's profile ranked after the pyramid knapsack;
 * the per-sample text context (K/V projections of 300 T5 tokens in every cross-attention), which
-  every rank of an SP group repeats (``analytic.context_seconds_per_sequence``: -7% / -6% on bucket
-  parallel short-dominated / balanced, within +-3% elsewhere);
-* the published SP's frame-axis sharding: VideoSys's STDiT3 splits the *latent frames* over the SP
-  group, padded to a multiple of its size (``split_sequence(x, dim=1, pad=get_temporal_pad())``,
-  ``set_temporal_pad``), so an image (one frame) at SP 4 is one real and three padded frames and
-  every rank computes the whole image; 15 and 30 latent frames pad to 16 and 32
-  (``published_accounting.frame_sharded_shape``, ``frame_sharded=True`` on the published
-  schedulers: bucket parallel short-dominated 1.48 -> 0.68, balanced 1.43 -> 1.14, long-dominated
-  1.49 -> 1.44; DCP-inter, which profiles images at SP 1, unchanged).
+  every rank of an SP group repeats.
 
-``benchmarks/results/simulate.md`` tabulates the calibration with each mechanism turned off in turn.
+Compute speed: the cost model's datasheet default efficiencies ("simulated: analytic compute at
+default efficiencies"); no factor borrowed from other measurements (the 2.55x "stack slowdown"
+from Open-Sora 1.0's H800 throughputs is gone, and so is the frame-padded SP of older code,
+cd7ac04). ``published_setting(..., compute=cost_model)`` takes a profiled cost model instead.
 
-Reproduced within +-25%: all six figures (bucket parallel 0.68 / 1.14 / 1.44 vs 0.90 / 1.16 /
-1.54, DCP-inter 2.08 / 2.00 / 1.99 vs 2.24 / 2.06 / 1.97) and the published ranking in every row.
-Solving the three published bucket-parallel figures for the mixes' token shares, the published
-baseline runs images at SP 4 2.6-4.5x slower per token than its videos; without the frame padding
-the model ran a 144p image at SP 4 only 1.5x slower per token than a video, with it 4.3x
-(``tests/test_calibration_mechanisms.py``). The short-dominated bucket-parallel figure is the
-closest to the edge (-24%): the padding slightly overshoots what the figures imply there.
+Deviations, from the run (``simulated  published  deviation``; none within +-25%):
+
+    video short-dominated  bucket-parallel   3.80  0.90 +323%
+    video short-dominated  dcp-inter         5.21  2.24 +133%
+    video balanced         bucket-parallel   3.67  1.16 +217%
+    video balanced         dcp-inter         4.94  2.06 +140%
+    video long-dominated   bucket-parallel   3.85  1.54 +150%
+    video long-dominated   dcp-inter         4.98  1.97 +153%
+
+Why, as far as we can name it: the level (2.3-4.2x the published figures) is the datasheet
+efficiencies, far above what the published stack reaches on a width-1152 DiT; only a profile of
+an STDiT3-like block on a GPU can set it, and none exists yet. The shape: the published bucket
+parallel falls from 1.54 to 0.90 as images grow in the mix, ours stays flat (DCP-inter / bucket
+parallel 1.37 / 1.35 / 1.29 against the published 2.49 / 1.78 / 1.28): under the released SP a
+batch of images at SP 4 is split over the batch with nothing wasted at the profiled batch sizes,
+so the model prices a 144p image at SP 4 about 1.5x a video per token (mostly its text context),
+and whatever makes images slow in the published baseline is not in the model. The ranking
+(DCP-inter above bucket parallel) holds in all three rows and is the one check on the published
+figures kept here; ``test_deviations_are_the_ones_stated`` keeps the table above in step with the
+simulator without asserting any figure against the published ones.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from simulate import PUBLISHED_M_TOKENS_PER_S, published_setting  # noqa: E402
+from simulate import (  # noqa: E402
+    ANALYTIC_COMPUTE,
+    PROFILED_TERMS,
+    PUBLISHED_M_TOKENS_PER_S,
+    compute_label,
+    compute_scales_from,
+    deviation_lines,
+    published_cost_model,
+    published_setting,
+)
 
-from dcp_compile.schedule.cost_model import CostModel, ModelProfile  # noqa: E402
+from dcp_compile.schedule.cost_model import DEFAULT_SCALES, CostModel, ModelProfile  # noqa: E402
 from dcp_compile.schedule.hardware import Hardware  # noqa: E402
 from dcp_compile.schedule.published_schedulers import DCPInterScheduler  # noqa: E402
 from dcp_compile.variant import RecomputePolicy  # noqa: E402
 
 DISTRIBUTIONS = tuple(PUBLISHED_M_TOKENS_PER_S)
-OUT_OF_REACH: dict[tuple[str, str], str] = {}  # (distribution, scheduler) -> why; a strict xfail each
 
 
 @pytest.fixture(scope="module")
@@ -65,25 +79,48 @@ def simulated() -> dict[str, dict[str, dict[str, float]]]:
     return {distribution: published_setting(distribution) for distribution in DISTRIBUTIONS}
 
 
-def _cases():
-    for distribution in DISTRIBUTIONS:
-        for scheduler in ("bucket-parallel", "dcp-inter"):
-            reason = OUT_OF_REACH.get((distribution, scheduler))
-            marks = (pytest.mark.xfail(strict=True, reason=reason),) if reason else ()
-            yield pytest.param(distribution, scheduler, marks=marks, id=f"{distribution}-{scheduler}")
-
-
-@pytest.mark.parametrize("distribution,scheduler", list(_cases()))
-def test_absolute_throughput_within_25_percent_of_published(simulated, distribution: str, scheduler: str) -> None:
-    published = PUBLISHED_M_TOKENS_PER_S[distribution][scheduler]
-    ours = simulated[distribution][scheduler]["m_tokens_per_s"]
-    assert abs(ours / published - 1) <= 0.25, f"{distribution} {scheduler}: {ours:.2f} vs published {published:.2f}"
+def test_deviations_are_the_ones_stated(simulated) -> None:
+    """Prints the deviation table and checks that the module docstring states what the simulator
+    gives now (rerun and paste the printed lines when a mechanism changes)."""
+    lines = deviation_lines(simulated)
+    print("\n".join(lines))
+    stated = [line.strip() for line in __doc__.splitlines() if line.startswith("    video ")]
+    assert stated == [line.strip() for line in lines]
 
 
 @pytest.mark.parametrize("distribution", DISTRIBUTIONS)
 def test_published_ranking(simulated, distribution: str) -> None:
     row = simulated[distribution]
     assert row["dcp-inter"]["m_tokens_per_s"] > row["bucket-parallel"]["m_tokens_per_s"]
+
+
+def test_compute_speed_is_the_datasheet_default_unless_a_profiled_model_is_given() -> None:
+    assert published_cost_model().scales == DEFAULT_SCALES
+    assert compute_label() == ANALYTIC_COMPUTE == "simulated: analytic compute at default efficiencies"
+    profiled = CostModel(ModelProfile.from_config("stdit3-xl/2"), Hardware.H200,
+                         scales={"linear": 3.0, "attention": 4.0, "memory": 2.0, "communication": 9.0, "overhead": 5.0})
+    model = published_cost_model(compute=profiled)
+    assert model.hardware == Hardware.H100
+    assert {t: model.scales[t] for t in PROFILED_TERMS} == {t: profiled.scales[t] for t in PROFILED_TERMS}
+    assert model.scales["communication"] == DEFAULT_SCALES["communication"]  # one device cannot measure the links
+    assert "profiled" in compute_label(profiled) and "H200" in compute_label(profiled)
+
+
+@pytest.mark.skipif("measured" not in CostModel.__dataclass_fields__, reason="no measured cost models in this tree")
+def test_a_measured_model_sets_the_compute_speed_by_its_ratio_to_the_prior() -> None:
+    """A model whose device ran the profiled block twice as slow as the analytic prior doubles
+    the published setting's compute scales (an efficiency, carried to the H100)."""
+
+    @dataclass(frozen=True, eq=False)
+    class TwiceAsSlow(CostModel):
+        def time(self, lengths, sp_size, recompute="none", spans=None):  # type: ignore[override]
+            if self.measured is None:
+                return super().time(lengths, sp_size, recompute, spans)
+            return 2.0 * replace(self, measured=None).time(lengths, sp_size, recompute, spans)
+
+    measured = TwiceAsSlow(ModelProfile.from_config("stdit3-xl/2"), Hardware.H200, measured=object())
+    scales = compute_scales_from(measured)
+    assert scales == pytest.approx({t: 2.0 * DEFAULT_SCALES[t] for t in PROFILED_TERMS})
 
 
 # --------------------------------------------------------------------------- the memory model

@@ -57,7 +57,7 @@ from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy
 
 from .cost_model import CostModel
 from .plan import Schedule, ScheduledMicroBatch
-from .published_accounting import frame_sharded_shape
+from .published_sp import published_time
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class _BaselineScheduler:
         max_buckets: int = 32,
         seed: int = 0,
         drop_last: bool = False,
-        frame_sharded: bool = False,
+        released_sp: bool = False,
     ) -> None:
         recompute = RecomputePolicy.parse(recompute)
         # The published system checkpoints whole blocks: backward re-sends their all-to-alls and
@@ -124,11 +124,12 @@ class _BaselineScheduler:
         # ``drop_last``: the published benchmark's epoch semantics (bucket tails and rounds that
         # cannot be filled are discarded, not trained); off for iso-batch comparisons.
         self.drop_last = drop_last
-        # ``frame_sharded``: the published STDiT3's SP shards latent frames, padded to a multiple
-        # of the SP size (``published_accounting.frame_sharded_shape``): an image at SP 4 is
-        # computed whole on every rank. Off by default (in the baselines' favour); the
-        # calibration against the published figures turns it on. Memory is priced unpadded.
-        self.frame_sharded = frame_sharded
+        # ``released_sp``: price each micro-batch as the released STDiT3's SP computes it (VideoSys
+        # 09ad75e: spatial shards padded to the SP size, spatial attention after a padded
+        # all-to-all switch, images switched over the padded batch; ``published_sp``), not as
+        # our compiler's Ulysses SP. The calibration against the published figures turns it on;
+        # off by default, so the iso-batch comparisons price every scheduler's SP alike.
+        self.released_sp = released_sp
         self.node_size = max(1, min(world_size, cost_model.hardware.gpus_per_node))
         sizes = [1]
         while sizes[-1] * 2 <= world_size:
@@ -153,10 +154,9 @@ class _BaselineScheduler:
 
     def computed_time(self, lengths: Sequence[int], spans: Sequence[float], sp_size: int, recompute: RecomputePolicy | str) -> float:
         """The cost model's time of a micro-batch as the published model computes it (with
-        ``frame_sharded``, each sample's frames padded to a multiple of ``sp_size``)."""
-        if self.frame_sharded and sp_size > 1:
-            shapes = [frame_sharded_shape(n, s, sp_size) for n, s in zip(lengths, spans)]
-            lengths, spans = [n for n, _ in shapes], [s for _, s in shapes]
+        ``released_sp``, as the released SP splits it: :func:`.published_sp.published_time`)."""
+        if self.released_sp:
+            return published_time(self.cost_model, lengths, spans, sp_size, recompute)
         return self.cost_model.time(lengths, sp_size, recompute, spans)
 
     def microbatch(
