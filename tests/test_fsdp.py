@@ -153,65 +153,86 @@ def _sync_without_begin_step(rank: int, world_size: int) -> None:
 
 # --- the README's FSDP2 + DataLoader loop, as written ------------------------------------------
 
-README_TOKENS_PER_STEP = 96  # the README's 65536 scaled to this dataset, so the epoch has several steps
+README_TOKENS_PER_STEP = 96  # the README's 65536 scaled to ten sequences, so the epoch has several steps
+README_MAX_TOKENS_PER_RANK = 32  # a tiny model fits anything at SP 1; the cap sends the long ones to SP 2
+README_LENGTHS = (12, 40, 20, 48, 16, 36, 9, 27, 30, 14)
 
 
-def readme_block() -> str:
+def readme_block(inner: str | None = None) -> str:
+    """The block under "## FSDP2" with the substitutions the README lists next to it, nothing else:
+    the step size and a per-rank token cap for ten short sequences, AdamW's eps, and (quick run) the
+    inner compiler. ``model`` and ``dataset`` are the fixtures the README says the block needs."""
     import re
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = readme.split("\n## FSDP2\n", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
-    assert "tokens_per_step=65536" in block and "AdamW(model.parameters(), lr=1e-4)" in block
+    for expected in ("tokens_per_step=65536,", "AdamW(model.parameters(), lr=1e-4)", "def collate(samples)",
+                     'backend="dcp", dynamic=True)'):
+        assert expected in block, f"the README's FSDP2 block lost {expected!r}"
+    block = block.replace("tokens_per_step=65536,", f"tokens_per_step={README_TOKENS_PER_STEP}, "
+                                                     f"max_tokens_per_rank={README_MAX_TOKENS_PER_RANK},")
     block = block.replace("AdamW(model.parameters(), lr=1e-4)", f"AdamW(model.parameters(), lr=1e-4, eps={ADAM_EPS})")
-    return block.replace("tokens_per_step=65536", f"tokens_per_step={README_TOKENS_PER_STEP}")
+    if inner is not None:
+        block = block.replace('backend="dcp", dynamic=True)', f'backend="dcp", dynamic=True, options={{"inner": "{inner}"}})')
+    return block
 
 
-def readme_cost_model() -> CostModel:
-    return CostModel(ModelProfile.from_config("llama-3-8b"), Hardware.H200, optimizer_shards=2)
+def readme_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=512, use_cache=False, bos_token_id=0, eos_token_id=1,
+        pad_token_id=None, attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config)
 
 
 def readme_dataset() -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(5)
-    return [torch.randint(1, VOCAB, (n,), generator=generator) for n in (12, 40, 20, 48, 16, 36, 9, 27, 30, 14)]
+    return [torch.randint(1, VOCAB, (n,), generator=generator) for n in README_LENGTHS]
 
 
 def _readme_loop(rank: int, world_size: int, block: str) -> dict:
     import multiprocessing
 
-    # The process world's ranks are daemon processes, which may not start DataLoader workers;
-    # a torchrun rank is not a daemon.
+    # The process world's ranks are daemon processes, which may not start DataLoader workers, and
+    # they were spawned, which workers would inherit (and then fail to pickle the block's collate,
+    # which lives in no importable module); a torchrun rank is neither: Linux forks its workers.
     multiprocessing.current_process()._config["daemon"] = False
-    dataset = readme_dataset()
-    namespace = {"dcp": dcp, "torch": torch, "model": make_model(), "dataset": dataset,
-                 "lengths": [len(s) for s in dataset], "collate": pad_right, "cost_model": readme_cost_model()}
-    exec(block, namespace)
+    multiprocessing.set_start_method("fork", force=True)
+    namespace = {"model": readme_llama(), "dataset": readme_dataset()}
+    exec(block, namespace)  # its own imports, collate, cost model; rebinds model to the sharded one
+    sampler = namespace["sampler"]
     return {
-        "steps": namespace["sampler"].epoch,
+        "epochs": sampler.epoch,
+        "sp_sizes": sorted({mb.sp_size for step in range(len(sampler.steps(0)))
+                            for mb in sampler.plan(step, 0).microbatches}),
         "parameters": {name: p.full_tensor().tolist() for name, p in namespace["model"].named_parameters()},
     }
 
 
-@pytest.mark.slow
-def test_the_readme_fsdp2_loop_runs_and_trains_the_global_batches() -> None:
-    results = run_in_process_world(_readme_loop, 2, readme_block(), timeout=600)
+@pytest.mark.parametrize("inner", ["eager", pytest.param(None, marks=pytest.mark.slow, id="as-written")])
+def test_the_readme_fsdp2_loop_runs_and_trains_the_global_batches(inner: str | None) -> None:
+    pytest.importorskip("transformers")
+    results = run_in_process_world(_readme_loop, 2, readme_block(inner), timeout=900)
     dataset = readme_dataset()
+    # The epoch's global batches depend on the lengths, the seed and the step size only.
     steps = dcp.DataCentricSampler([len(s) for s in dataset], tokens_per_step=README_TOKENS_PER_STEP, seed=0,
-                                   cost_model=readme_cost_model(), world_size=2, rank=0).steps(0)
+                                   world_size=2, rank=0).steps(0)
     assert len(steps) >= 3
-    model = make_model()
+    model = readme_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=ADAM_EPS)
     for indices in steps:
-        batch = pad_right([dataset[i] for i in indices])
-        model(**batch).backward()
+        model(**pad_right([dataset[i] for i in indices])).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    # The test swaps the README's AdamW eps (default 1e-8) for 1e-6 (readme_block): with 1e-8 an
-    # element whose gradient is fp32 rounding noise (~1e-9, a different summation order) moves by
-    # about lr per step on either side, which says nothing about the gradients.
     for rank, result in enumerate(results):
-        assert result["steps"] == 1, "the loop ran one whole epoch"
+        assert result["epochs"] == 1, "the loop ran one whole epoch"
+        assert 2 in result["sp_sizes"], f"rank {rank}: no SP-2 micro-batch was planned: {result['sp_sizes']}"
         for name, value in model.named_parameters():
             got = torch.tensor(result["parameters"][name])
             torch.testing.assert_close(got, value.detach(), rtol=1e-5, atol=1e-5,
