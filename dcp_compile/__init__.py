@@ -38,6 +38,8 @@ _EXPORTS = {
     "Bucket": "dcp_compile.compiler.variant_selection",
     "use": "dcp_compile.compiler.variant_selection",
     "explain": "dcp_compile.compiler.inspection",
+    "recording": "dcp_compile.compiler.inspection",
+    "sharding_summary": "dcp_compile.compiler.sharding_summary",
     "check": "dcp_compile.compiler.self_check",
     "profile": "dcp_compile.device_profile",
     "CalibrationPoint": "dcp_compile.schedule.cost_model",

@@ -244,19 +244,21 @@ def main() -> None:
         step = dcp.load_checkpoint(latest, model=model, optimizer=optimizer, batches=batches).step  # dcp
     bar = tqdm(total=args.steps, initial=step, disable=rank != 0, unit="step", dynamic_ncols=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
+    summary_shown = False
     while step < args.steps:
         for loaded in batches.steps(loader):  # dcp
             started = time.perf_counter()
             dcp.begin_step(model)  # dcp
             losses = []
-            for mb, clip_groups in loaded:
-                for group in clip_groups:
-                    inputs, noise = noised(group, step, args.seed, device)
-                    with dcp.use(mb), autocast:  # dcp
-                        prediction = compiled(**inputs)[0]
-                    loss = F.mse_loss(prediction.float(), noise)
-                    (loss * mb.loss_scale * group.share).backward()  # dcp
-                    losses.append((loss.detach(), mb.loss_scale * group.share, mb.sp_size))
+            with dcp.recording() as record:  # what the compiled graphs did: printed once, below
+                for mb, clip_groups in loaded:
+                    for group in clip_groups:
+                        inputs, noise = noised(group, step, args.seed, device)
+                        with dcp.use(mb), autocast:  # dcp
+                            prediction = compiled(**inputs)[0]
+                        loss = F.mse_loss(prediction.float(), noise)
+                        (loss * mb.loss_scale * group.share).backward()  # dcp
+                        losses.append((loss.detach(), mb.loss_scale * group.share, mb.sp_size))
             dcp.sync_gradients(model)  # dcp
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -268,6 +270,9 @@ def main() -> None:
             if rank == 0:
                 bar.write(f"step {step}: {loaded.plan.tokens} tokens, {tokens_per_s:,.0f} tokens/s, loss {mean_loss:.4f} | "
                           f"{describe(loaded.plan)}")
+                if not summary_shown and len(record):  # sites sharded, gathers, graphs and why
+                    bar.write(dcp.sharding_summary(record))
+                    summary_shown = True
             if args.checkpoint_every and (step % args.checkpoint_every == 0 or step == args.steps):
                 dcp.save_checkpoint(dcp.checkpoint_path(args.checkpoint_dir, step), model=model, optimizer=optimizer, batches=batches, step=step)  # dcp
             if step >= args.steps:

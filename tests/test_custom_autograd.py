@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from dcp_compile.compiler.custom_autograd import custom_autograd_function
-from dcp_compile.compiler.passes.sequence_dims import MIXING, TOKEN_LOCAL
+from dcp_compile.compiler.passes.sequence_dims import Role
 from dcp_compile.testing.process_world import run_in_process_world
 from model_zoo import ApproximateGelu
 from parity import parity_worker
@@ -63,11 +63,11 @@ def _attention_then(function):
 def test_elementwise_function_is_token_local():
     gm, analysis = analyse(_attention_then(ApproximateGelu), torch.randn(2, 11, 8, requires_grad=True))
     (call,) = gm.graph.find_nodes(op="call_function", target=custom_autograd_function._opoverload)
-    assert analysis.sequence.roles[call].role == TOKEN_LOCAL
+    assert analysis.sequence.roles[call].role == Role.TOKEN_LOCAL
 
 
 def test_sequence_mixing_function_is_gathered_with_its_name():
     gm, analysis = analyse(_attention_then(_CumulativeSum), torch.randn(2, 11, 8, requires_grad=True))
     (call,) = gm.graph.find_nodes(op="call_function", target=custom_autograd_function._opoverload)
     role = analysis.sequence.roles[call]
-    assert role.role == MIXING and "custom autograd.Function" in role.reason and "not elementwise" in role.reason
+    assert role.role == Role.MIXING and "custom autograd.Function" in role.reason and "not elementwise" in role.reason

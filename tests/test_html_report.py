@@ -1,4 +1,4 @@
-"""The HTML report (``ModelRecord.save_html``, ``plan_html``, ``python -m dcp_compile inspect``).
+"""The HTML report (``save_model_report``, ``plan_html``, ``python -m dcp_compile inspect``).
 
 The GPT-style and DiT-style zoo models are compiled once at SP 2 on the fake process group
 (collectives trace, no data moves); the reports are checked for what a reader needs (summary
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import dcp_compile as dcp
-from dcp_compile.report import plan_html, plan_svg
+from dcp_compile.report import plan_html, plan_svg, save_model_report
 from dcp_compile.report.graph_view import clean_module_path
 from dcp_compile.report.source_lines import source_line
 from dcp_compile.schedule.plan import Schedule, ScheduledMicroBatch, StepPlan
@@ -60,7 +60,7 @@ def zoo_reports(tmp_path_factory):
                 inputs["labels"] = inputs["input_ids"]
             record = dcp.explain(compiled, **inputs)
             path = out / f"report_{name}.html"
-            assert record.save_html(str(path)) == str(path)
+            assert save_model_report(record, str(path)) == str(path)
             reports[name] = {"record": record, "path": path, "html": path.read_text(),
                              "compiled": compiled, "inputs": inputs}
         yield reports

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dcp_compile.compiler.passes.sequence_dims import MIXING, TOKEN_LOCAL
+from dcp_compile.compiler.passes.sequence_dims import Rewrite, Role
 from dcp_compile.testing.process_world import run_in_process_world
 from model_zoo import ZOO
 from parity import parity_worker
@@ -36,10 +36,10 @@ def test_the_image_stream_is_the_sharded_length():
              and role.sequence_dims and role.sequence_dims[0].joint]
     assert len(joint) >= 9, sequence.table()  # q, k, v of the three blocks (+ rotary positions)
     rewrites = sorted(role.rewrite for role in sequence.roles.values() if role.rewrite)
-    assert rewrites.count("split_segments") == 1
-    assert {"take_sharded_segment", "take_trailing_segment"} <= set(rewrites)
-    assert all(role.role != MIXING or role.rewrite or "unpatchify" in role.reason for role in sequence.roles.values()), \
-        [(n.name, r.reason) for n, r in sequence.roles.items() if r.role == MIXING and not r.rewrite]
+    assert rewrites.count(Rewrite.SPLIT_SEGMENTS) == 1
+    assert {Rewrite.TAKE_SHARDED_SEGMENT, Rewrite.TAKE_TRAILING_SEGMENT} <= set(rewrites)
+    assert all(role.role != Role.MIXING or role.rewrite or "unpatchify" in role.reason for role in sequence.roles.values()), \
+        [(n.name, r.reason) for n, r in sequence.roles.items() if r.role == Role.MIXING and not r.rewrite]
 
 
 def test_no_gather_but_the_unpatchify(fake_world):

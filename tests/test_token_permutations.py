@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dcp_compile.compiler.passes.sequence_dims import MIXING, TOKEN_LOCAL
+from dcp_compile.compiler.passes.sequence_dims import Rewrite, Role
 from dcp_compile.variant import Variant
 from dcp_compile.testing.process_world import run_in_process_world
 from model_zoo import ZOO, SortedExperts
@@ -33,13 +33,13 @@ def test_the_dispatch_is_tracked_not_gathered():
     gm, analysis = _moe_analysis()
     roles = analysis.sequence.roles
     sorts = list(gm.graph.find_nodes(op="call_function", target=aten.sort.default))
-    assert len(sorts) == 2 and all(roles[s].role == TOKEN_LOCAL and roles[s].token_order is s for s in sorts)
-    inverses = [n for n, r in roles.items() if r.rewrite == "inverse_permutation"]
+    assert len(sorts) == 2 and all(roles[s].role == Role.TOKEN_LOCAL and roles[s].token_order is s for s in sorts)
+    inverses = [n for n, r in roles.items() if r.rewrite is Rewrite.INVERSE_PERMUTATION]
     assert len(inverses) == 2
     in_experts = [n for n in roles if "SortedExperts" in str(n.meta.get("nn_module_stack", ""))
                   or "self.w_in" in (n.meta.get("stack_trace") or "") or "inverse" in (n.meta.get("stack_trace") or "")]
     assert len(in_experts) > 20
-    mixing = [(n.name, roles[n].reason) for n in in_experts if roles[n].role == MIXING and not roles[n].rewrite]
+    mixing = [(n.name, roles[n].reason) for n in in_experts if roles[n].role == Role.MIXING and not roles[n].rewrite]
     assert not mixing, mixing
     # Back in token order after the inverse permutation: the sum over the top-k rows reads it.
     for inverse in inverses:
@@ -60,7 +60,7 @@ def test_a_permuted_value_is_never_gathered(fake_world):
 
     gm, analysis = analyse(LeakySort(), torch.randn(2, 9, 8, requires_grad=True))
     (cumsum,) = gm.graph.find_nodes(op="call_function", target=aten.cumsum.default)
-    assert analysis.sequence.roles[cumsum].role == MIXING
+    assert analysis.sequence.roles[cumsum].role == Role.MIXING
     (sort,) = gm.graph.find_nodes(op="call_function", target=aten.sort.default)
     assert analysis.sequence.roles[sort].token_order is sort
     (record,) = compile_variants(LeakySort(), (torch.randn(2, 9, 8, requires_grad=True),), [Variant(2)]).values()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 from dcp_compile.compiler.record import GraphRecord, ModelRecord
 
@@ -17,7 +18,21 @@ def collecting_records() -> list[GraphRecord] | None:
 
 def snapshots_requested() -> bool:
     """Passes keep readable before/after graphs only while ``explain`` is collecting."""
-    return collecting_records() is not None
+    return collecting_records() is not None and getattr(_collectors, "snapshots", True)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[ModelRecord]:
+    """Collect the records of the dcp graphs called inside the block (a training step), running
+    nothing extra: what a training script prints after warm-up (``dcp.sharding_summary``), where
+    ``explain`` would need one more forward. No before/after graph snapshots are kept."""
+    record = ModelRecord()
+    previous = (getattr(_collectors, "records", None), getattr(_collectors, "snapshots", True))
+    _collectors.records, _collectors.snapshots = record.graphs, False
+    try:
+        yield record
+    finally:
+        _collectors.records, _collectors.snapshots = previous
 
 
 def explain(model: Any, *args: Any, **kwargs: Any) -> ModelRecord:
@@ -34,12 +49,12 @@ def explain(model: Any, *args: Any, **kwargs: Any) -> ModelRecord:
             "dynamic=True), not the original module"
         )
     records: list[GraphRecord] = []
-    previous = getattr(_collectors, "records", None)
-    _collectors.records = records
+    previous = (getattr(_collectors, "records", None), getattr(_collectors, "snapshots", True))
+    _collectors.records, _collectors.snapshots = records, True
     try:
         model(*args, **kwargs)  # with grad mode as the caller has it: the same graphs as training
     finally:
-        _collectors.records = previous
+        _collectors.records, _collectors.snapshots = previous
     if not records:
         raise RuntimeError(
             "dcp.explain: the call ran no graph compiled by the dcp backend; was the model "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcp_compile.compiler.passes import check_disable_passes
 from dcp_compile.compiler.variant_selection import Bucket
 from dcp_compile.variant import RecomputePolicy, Variant
 
@@ -67,12 +68,14 @@ def parse_options(options: dict[str, Any] | None) -> DCPOptions:
     max_lens = [b.max_len for b in buckets]
     if len(set(max_lens)) != len(max_lens):
         raise ValueError(f"dcp: two buckets share a max_len ({max_lens}); each bucket needs its own bound")
+    disable_passes = tuple(options.get("disable_passes", ()))
+    check_disable_passes(disable_passes)
     return DCPOptions(
         sp_size=sp_size,
         inner=inner,
         buckets=buckets,
         recompute=recompute,
-        disable_passes=tuple(options.get("disable_passes", ())),
+        disable_passes=disable_passes,
         debug_dir=options.get("debug_dir"),
         check=bool(options.get("check", False)),
         check_ranks=bool(options.get("check_ranks", True)),

@@ -1,6 +1,8 @@
 """What the backend did, kept per compiled graph: the answer to "why is my model slow/wrong?".
 
-``dcp.explain(model, ...)`` returns these records; ``str()`` of one is a readable report.
+``dcp.explain(model, ...)`` returns these records; ``str()`` of one is a readable report, and
+``dcp_compile.report.save_model_report(record, path)`` renders one as an HTML page (the records
+are data: they know nothing of how they are drawn).
 """
 
 from __future__ import annotations
@@ -162,14 +164,6 @@ class ModelRecord:
 
     def variant_records(self) -> list[VariantRecord]:
         return [variant for graph in self.graphs for variant in graph.variants.values()]
-
-    def save_html(self, path: str, plans: Any = None) -> str:
-        """Write a self-contained HTML report (graphs by module, roles, gathers with source lines,
-        pass diffs; ``plans``: optional StepPlans drawn as a timeline). Rendering lives in
-        ``dcp_compile.report``, imported here only when asked for."""
-        from dcp_compile.report.html_report import save_model_report
-
-        return save_model_report(self, path, plans=plans)
 
     def __getitem__(self, index: int) -> GraphRecord:
         return self.graphs[index]

@@ -1,8 +1,9 @@
-"""HTML reports: what DCP did to a model (``ModelRecord.save_html``) and a step's plan as a
-timeline (:func:`plan_html`). Self-contained pages: inline CSS and JS, nothing fetched.
+"""HTML reports: what DCP did to a model (:func:`save_model_report` of ``dcp.explain``'s record)
+and a step's plan as a timeline (:func:`plan_html`). Self-contained pages: inline CSS and JS,
+nothing fetched.
 
-Imports point one way: the compiler's records import this package only inside ``save_html``;
-this package reads records and plans and imports neither the backend nor the scheduler.
+Imports point one way: this package reads records and plans; the compiler never imports it
+(tests/test_import_graph.py), and this package imports neither the backend nor the scheduler.
 """
 
 from __future__ import annotations

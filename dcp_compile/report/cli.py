@@ -58,6 +58,7 @@ def inspect(target: str, sp: int = 2, out: str = "dcp_report.html", inner: str =
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from dcp_compile.compiler.inspection import explain
+    from dcp_compile.report.html_report import save_model_report
 
     made = load_factory(target)()
     if not (isinstance(made, tuple) and len(made) == 2):
@@ -74,7 +75,7 @@ def inspect(target: str, sp: int = 2, out: str = "dcp_report.html", inner: str =
             record = explain(compiled, **inputs)
         else:
             record = explain(compiled, *tuple(inputs))
-        record.save_html(out)
+        save_model_report(record, out)
     finally:
         if created:
             dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""``ModelRecord.save_html``: what DCP did to a model, as one page a person would rather read.
+"""``save_model_report``: what DCP did to a model, as one page a person would rather read.
 
 The first screen answers "is DCP sharding my model, and where does it not": one coloured summary
 line per graph and variant (the same line ``dcp.explain`` prints), then a table of the numbers

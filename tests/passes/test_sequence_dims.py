@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pass_helpers import SDPA, analyse
 
-from dcp_compile.compiler.passes.sequence_dims import ATTENTION, MIXING, SOURCE, TOKEN_LOCAL, expression
+from dcp_compile.compiler.passes.sequence_dims import Rewrite, Role, expression
 
 aten = torch.ops.aten
 
@@ -50,7 +50,7 @@ def test_sequence_length_is_the_inputs_symbolic_length(analysed):
     assert len(tokens) == 2  # ids and labels, [B, S]
     for placeholder in tokens:
         assert sequence.length == expression(placeholder.meta["val"].shape[1])
-        assert sequence.roles[placeholder].role == SOURCE
+        assert sequence.roles[placeholder].role == Role.SOURCE
         assert [d.dim for d in sequence.roles[placeholder].sequence_dims] == [1]
 
 
@@ -60,7 +60,7 @@ def test_linear_and_norm_are_token_local(analysed):
     qkv = nodes(gm, aten.linear.default)[0]
     for node in (norm, qkv):
         role = sequence.roles[node]
-        assert role.role == TOKEN_LOCAL, (node, role)
+        assert role.role == Role.TOKEN_LOCAL, (node, role)
         assert [d.dim for d in role.sequence_dims] == [1] and role.sequence_dims[0].plain
 
 
@@ -68,7 +68,7 @@ def test_sdpa_is_attention(analysed):
     gm, sequence = analysed
     (sdpa,) = nodes(gm, SDPA)
     role = sequence.roles[sdpa]
-    assert role.role == ATTENTION
+    assert role.role == Role.ATTENTION
     assert [d.dim for d in role.sequence_dims] == [2]  # [B, H, S, D]
 
 
@@ -77,17 +77,17 @@ def test_cumsum_over_the_sequence_is_sequence_mixing_with_its_reason(analysed):
     over_sequence, over_features = sorted(nodes(gm, aten.cumsum.default), key=lambda n: n.args[1] % 3)
     assert over_sequence.args[1] % 3 == 1
     role = sequence.roles[over_sequence]
-    assert role.role == MIXING
+    assert role.role == Role.MIXING
     assert role.reason == "cumsum along the sequence dimension"
     assert role.rewrite is None  # no shard-local rewrite: it is gathered
-    assert sequence.roles[over_features].role == TOKEN_LOCAL
+    assert sequence.roles[over_features].role == Role.TOKEN_LOCAL
 
 
 def test_arange_over_the_length_is_a_source(analysed):
     gm, sequence = analysed
     (arange,) = nodes(gm, aten.arange.default)
     role = sequence.roles[arange]
-    assert role.role == SOURCE
+    assert role.role == Role.SOURCE
     assert "creates the sequence dimension" in role.reason
 
 
@@ -98,9 +98,9 @@ def test_flattened_tokens_are_a_sequence_dim_with_the_batch_as_outer(analysed):
     batch = expression(logits.meta["val"].shape[0]) / sequence.length
     for flat in (logits, targets):  # [B*S, V] logits, [B*S] labels
         role = sequence.roles[flat]
-        assert role.role == TOKEN_LOCAL
+        assert role.role == Role.TOKEN_LOCAL
         (dim,) = role.sequence_dims
         assert dim.dim == 0 and dim.inner == 1
         assert dim.outer != 1 and dim.outer == batch  # the symbolic batch, rows in batch-major order
     # The loss reduces over the sequence: mixing, with the shard-local rewrite named.
-    assert sequence.roles[loss].role == MIXING and sequence.roles[loss].rewrite == "loss_over_sequence"
+    assert sequence.roles[loss].role == Role.MIXING and sequence.roles[loss].rewrite is Rewrite.LOSS_OVER_SEQUENCE

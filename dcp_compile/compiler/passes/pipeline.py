@@ -2,8 +2,11 @@
 
 Modelled on torchtitan's pass runner: passes are ``(gm, ctx) -> gm`` functions, any of them can be
 disabled by name (``options={"disable_passes": [...]}``). What the dispatcher and the runner need to
-know about a pass (does it run at SP 1, does it return a new graph, does it add graph inputs) is
-declared here, in one :class:`GraphPass` record per pass, instead of attributes on the functions.
+know about a pass (does it run at SP 1, does it return a new graph, does it add graph inputs, what
+it needs from earlier passes and what it leaves for later ones) is declared here, in one
+:class:`GraphPass` record per pass, instead of attributes on the functions. A ``disable_passes``
+entry that names no pass, or whose pass leaves something a pass still enabled needs, is refused
+before anything runs (:func:`check_disabled`), with the reason and the fix.
 
 Snapshots (each pass's graph before and after, as readable code) cost a ``print_readable`` of the
 whole graph per pass; they are taken only when someone will read them: ``dcp.explain``, a debug
@@ -17,6 +20,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -41,6 +45,15 @@ class GraphInput:
     provide: Callable[[], Any]
 
 
+class Product(Enum):
+    """What a pass leaves for the passes after it."""
+
+    ATTENTION_SITES = "the attention sites (ctx.analysis.attention_sites)"
+    SEQUENCE_ANALYSIS = "the sequence analysis (ctx.analysis.sequence)"
+    ATTENTION_MARKERS = "dcp::sharded_attention markers in the graph"
+    LOWERED_ATTENTION = "the markers lowered to all-to-all + attention"
+
+
 @dataclass(frozen=True)
 class GraphPass:
     function: PassFunction
@@ -48,6 +61,10 @@ class GraphPass:
     returns_new_graph: bool = False  # re-traces: may run on the shared analysed graph
     adds_input: GraphInput | None = None  # appended when ``adds_input_when(ctx)`` holds
     adds_input_when: Callable[[PassContext], bool] | None = None
+    requires: frozenset[Product] = frozenset()  # from an earlier pass
+    provides: frozenset[Product] = frozenset()
+    # What a later pass must provide for this pass's graph to run (markers someone must lower).
+    obliges: frozenset[Product] = frozenset()
 
     @property
     def name(self) -> str:
@@ -61,6 +78,36 @@ class GraphPass:
     def disabled_by(self, disabled: Sequence[str]) -> bool:
         """A pass is named in ``disable_passes`` with or without its ``_pass`` suffix."""
         return self.name in disabled or self.name.removesuffix("_pass") in disabled
+
+
+def check_disabled(passes: Sequence[GraphPass], disabled: Sequence[str]) -> None:
+    """Refuse a ``disable_passes`` list that names no pass of ``passes`` (the whole pipeline, in
+    order) or that disables a pass whose product an enabled pass still needs."""
+    names = {graph_pass.name for graph_pass in passes} | {graph_pass.name.removesuffix("_pass") for graph_pass in passes}
+    unknown = [name for name in disabled if name not in names]
+    if unknown:
+        valid = ", ".join(graph_pass.name.removesuffix("_pass") for graph_pass in passes)
+        raise ValueError(f"dcp: disable_passes names no pass: {unknown}; the passes are: {valid}")
+    provided: dict[Product, str] = {}
+    owed: dict[Product, str] = {}
+    for graph_pass in passes:
+        if graph_pass.disabled_by(disabled):
+            continue
+        missing = sorted(graph_pass.requires - set(provided), key=lambda product: product.name)
+        if missing:
+            makers = [other.name for other in passes if other.provides & set(missing)]
+            raise ValueError(
+                f"dcp: disable_passes {list(disabled)} leaves {graph_pass.name} without "
+                f"{', '.join(product.value for product in missing)} (made by {', '.join(makers)}); "
+                f"enable those again, or disable {graph_pass.name} as well")
+        provided.update((product, graph_pass.name) for product in graph_pass.provides)
+        owed.update((product, graph_pass.name) for product in graph_pass.obliges)
+    for product, by in owed.items():
+        if product not in provided:
+            makers = [other.name for other in passes if product in other.provides]
+            raise ValueError(
+                f"dcp: disable_passes {list(disabled)} leaves the graph of {by} unfinished: nothing makes "
+                f"{product.value} (made by {', '.join(makers)}); enable it again, or disable {by} as well")
 
 
 def readable(gm: fx.GraphModule) -> str:

@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from dcp_compile.compiler.passes.context import PassContext
-from dcp_compile.compiler.passes.find_attention import SDPA
+from dcp_compile.compiler.passes.find_attention import SDPA, sdpa_argument
 from dcp_compile.compiler.passes.use_varlen_attention import VARLEN_ATTENTION
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,6 @@ def is_collective(node: fx.Node) -> bool:
 def is_random(node: fx.Node) -> bool:
     target = node.target
     if target is SDPA:  # seeded only through its dropout
-        from dcp_compile.compiler.passes.find_attention import sdpa_argument
-
         return float(sdpa_argument(node, "dropout_p")) > 0.0
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 

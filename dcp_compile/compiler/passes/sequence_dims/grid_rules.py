@@ -20,52 +20,50 @@ outputs, or when it combines with a value that is indexed by position from outsi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import logging
+from typing import Any, Iterator
 
 import sympy
 import torch
 import torch.fx as fx
 
 from dcp_compile.compiler.passes.find_attention import SDPA
-from dcp_compile.compiler.passes.sequence_dims import (
-    MIXING, NONE, POINTWISE_EXTRA, RULES, SOURCE, TOKEN_LOCAL, VIEWS, NodeRole, RuleResult, SequenceAnalysis,
-    SequenceDim, _divides, _equal, _pointwise, _product, _val, map_through_view, shape_of,
+from dcp_compile.compiler.passes.sequence_dims.model import (
+    GridRegion, GridRegionRefused, NodeRole, Rewrite, Role, SequenceAnalysis, SequenceDim,
+)
+from dcp_compile.compiler.passes.sequence_dims.registry import (
+    RULES, VIEWS, Stage, is_pointwise, pointwise, record_partners, single, stage_rule,
+)
+from dcp_compile.compiler.passes.sequence_dims.symbolic import (
+    SPLITS_SEQUENCE, divides, equal, map_through_view, product, shape_of, value_of,
 )
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 
 CONVOLUTIONS = {
     aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default,
     aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding, aten._convolution.default,
 }
-SPLITS_SEQUENCE = "a reshape that splits the sequence dimension (e.g. an unpatchify)"
 
 
-class GridRegionRefused(Exception):
-    """Raised while the sequence analysis runs, when a region's member reads a sequence-indexed
-    value from outside the region: the analysis restarts without that region."""
-
-    def __init__(self, entry: fx.Node, reason: str) -> None:
-        super().__init__(reason)
-        self.entry, self.reason = entry, reason
-
-
-@dataclass
-class GridRegion:
-    entry: fx.Node  # the reshape that splits the tokens into a grid
-    token_dim: int  # the tokens' dimension in the entry's input
-    units: Any  # sympy: outermost grid steps (rows of an image, frames of a video)
-    unit: Any  # sympy: tokens per outermost step
-    radius: int = 0  # outermost steps a kept position reads on each side
-    grid_dims: dict[fx.Node, SequenceDim] = field(default_factory=dict)  # member -> its outermost grid dimension
-    exits: dict[fx.Node, int] = field(default_factory=dict)  # reshape back to tokens -> its token dimension
-    size_reads: set[fx.Node] = field(default_factory=set)  # sym_size of members (read as the full grid's)
-    outside_inputs: dict[fx.Node, set[fx.Node]] = field(default_factory=dict)  # member -> inputs from outside
-
-    @property
-    def members(self) -> set[fx.Node]:
-        return set(self.grid_dims) - {self.entry}
+@stage_rule(Stage.GRID_ENTRY)
+def grid_entry_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole | None:
+    """A reshape that splits the plain tokens into a grid opens a grid region where one can be
+    found (the region is recorded on the analysis); None leaves the reshape to its view rule."""
+    source = node.args[0]
+    seq = single(analysis.dims_of(source))
+    if seq is None or seq.joint or node in analysis.refused_grids:
+        return None
+    mapped = map_through_view(shape_of(value_of(source)), shape_of(value_of(node)), seq, analysis.length)
+    if mapped != SPLITS_SEQUENCE:
+        return None
+    region = find_grid_region(node, analysis)
+    if isinstance(region, GridRegion):
+        return register(region, analysis)
+    analysis.refused_grids[node] = region
+    log.info("dcp: %s gathers: no grid window: %s", node.name, region)
+    return None
 
 
 def find_grid_region(entry: fx.Node, analysis: SequenceAnalysis) -> GridRegion | str:
@@ -78,18 +76,18 @@ def find_grid_region(entry: fx.Node, analysis: SequenceAnalysis) -> GridRegion |
     if role is not None and role.token_order is not None:
         return "the tokens are permuted"
     token_dim = dims[0].dim
-    in_shape, out_shape = shape_of(_val(source)), shape_of(_val(entry))
+    in_shape, out_shape = shape_of(value_of(source)), shape_of(value_of(entry))
     split = len(out_shape) - len(in_shape) + 1
     if (split < 2 or in_shape[:token_dim] != out_shape[:token_dim]
-            or in_shape[token_dim + 1:] != out_shape[token_dim + split:]
-            or not _equal(_product(out_shape[token_dim:token_dim + split]), analysis.length)):
+        or in_shape[token_dim + 1:] != out_shape[token_dim + split:]
+            or not equal(product(out_shape[token_dim:token_dim + split]), analysis.length)):
         return "the reshape does not split the tokens alone into a grid"
     units = out_shape[token_dim]
-    if not _divides(units, analysis.length):
+    if not divides(units, analysis.length):
         return "the grid's outermost size does not divide the sequence length"
     region = GridRegion(entry, token_dim, units, sympy.cancel(analysis.length / units))
     grid = SequenceAnalysis(length=units, graph=analysis.graph, parameters=analysis.parameters)
-    grid.roles[entry] = NodeRole(TOKEN_LOCAL, (SequenceDim(token_dim),))
+    grid.roles[entry] = NodeRole(Role.TOKEN_LOCAL, (SequenceDim(token_dim),), token_order=None)
     region.grid_dims[entry] = SequenceDim(token_dim)
     reach: dict[fx.Node, int] = {entry: 0}
     for node in _after(entry):
@@ -105,7 +103,7 @@ def find_grid_region(entry: fx.Node, analysis: SequenceAnalysis) -> GridRegion |
     return region
 
 
-def _after(entry: fx.Node):
+def _after(entry: fx.Node) -> Iterator[fx.Node]:
     node = entry.next
     while node.op != "root":
         yield node
@@ -122,18 +120,18 @@ def _follow(node: fx.Node, region: GridRegion, grid: SequenceAnalysis, reach: di
     if node.target is aten.sym_size.int:
         region.size_reads.add(node)
         return None
-    inputs = [n for n in node.all_input_nodes if isinstance(_val(n), (torch.Tensor, tuple, list))]
+    inputs = [n for n in node.all_input_nodes if isinstance(value_of(n), (torch.Tensor, tuple, list))]
     outside = {n for n in inputs if n not in region.grid_dims}
     reach[node] = max(reach[n] for n in node.all_input_nodes if n in reach)
     if node.target in VIEWS:
-        mapped = map_through_view(shape_of(_val(node.args[0])), shape_of(_val(node)),
+        mapped = map_through_view(shape_of(value_of(node.args[0])), shape_of(value_of(node)),
                                   region.grid_dims[node.args[0]], region.units)
         if isinstance(mapped, str):
             return mapped
-        if _equal(mapped.outer, 1) and _equal(mapped.inner, region.unit):
+        if equal(mapped.outer, 1) and equal(mapped.inner, region.unit):
             region.exits[node] = mapped.dim  # all the tokens again, in their order
             return None
-        result = RuleResult(TOKEN_LOCAL, (mapped,))
+        result = NodeRole(Role.TOKEN_LOCAL, (mapped,))
     elif node.target in CONVOLUTIONS:
         result, conv_reach = _convolution(node, region)
         if isinstance(result, str):
@@ -141,26 +139,27 @@ def _follow(node: fx.Node, region: GridRegion, grid: SequenceAnalysis, reach: di
         reach[node] += conv_reach
     elif node.target in RULES:
         result = RULES[node.target](node, grid)
-    elif isinstance(node.target, torch._ops.OpOverload) and (
-            torch.Tag.pointwise in node.target.tags or node.target in POINTWISE_EXTRA):
-        result = _pointwise(node, grid)
+        record_partners(result, grid)
+    elif is_pointwise(node.target):
+        result = pointwise(node, grid)
+        record_partners(result, grid)
     else:
         return "no rule for it on a window of the grid"
-    if result.role != TOKEN_LOCAL or len(result.dims) != 1:
+    if result.role != Role.TOKEN_LOCAL or len(result.sequence_dims) != 1:
         return result.reason or "it reads across the grid's outermost dimension"
-    if not (_equal(result.dims[0].before, 0) and _equal(result.dims[0].after, 0)):
+    if not (equal(result.sequence_dims[0].before, 0) and equal(result.sequence_dims[0].after, 0)):
         return "it pads or concatenates along the grid's outermost dimension"
     for other in outside:
-        if grid.roles.get(other) is not None and grid.roles[other].role == SOURCE:
+        if grid.roles.get(other) is not None and grid.roles[other].role == Role.SOURCE:
             return "combines the grid with a value indexed by grid position from outside"
-    grid.roles[node] = NodeRole(TOKEN_LOCAL, result.dims, result.element_dims)
-    region.grid_dims[node] = result.dims[0]
+    grid.roles[node] = NodeRole(Role.TOKEN_LOCAL, result.sequence_dims, element_dims=result.element_dims, token_order=None)
+    region.grid_dims[node] = result.sequence_dims[0]
     if outside:
         region.outside_inputs[node] = outside
     return None
 
 
-def _convolution(node: fx.Node, region: GridRegion) -> tuple[RuleResult | str, int]:
+def _convolution(node: fx.Node, region: GridRegion) -> tuple[NodeRole | str, int]:
     """A convolution keeps the grid dimension where it is; along it, it reads ``reach`` steps each
     side, which the window must hold. Only a stride-1 convolution padded to keep the size ("same")
     qualifies; one whose batch dimension holds the grid (frames folded into the batch) reads
@@ -170,17 +169,17 @@ def _convolution(node: fx.Node, region: GridRegion) -> tuple[RuleResult | str, i
         return "the grid is the convolution's weight", 0
     grid_dim = region.grid_dims[source]
     if grid_dim.dim == 0:
-        return RuleResult(TOKEN_LOCAL, (grid_dim,)), 0
+        return NodeRole(Role.TOKEN_LOCAL, (grid_dim,)), 0
     if grid_dim.dim == 1:
         return "a convolution over the grid's outermost dimension as channels", 0
     if not grid_dim.plain:
         return "a convolution over a dimension that folds the grid with another", 0
     spatial = grid_dim.dim - 2
-    kernel_size = shape_of(_val(weight))[2 + spatial]
+    kernel_size = shape_of(value_of(weight))[2 + spatial]
     if not kernel_size.is_Integer:
         return "a convolution with a symbolic kernel size", 0
     kernel_size = int(kernel_size)
-    stride, padding, dilation, transposed = _convolution_arguments(node, len(shape_of(_val(weight))) - 2)
+    stride, padding, dilation, transposed = _convolution_arguments(node, len(shape_of(value_of(weight))) - 2)
     if transposed:
         return "a transposed convolution", 0
     if stride[spatial] != 1:
@@ -192,7 +191,7 @@ def _convolution(node: fx.Node, region: GridRegion) -> tuple[RuleResult | str, i
         pass
     elif padding == "valid" or padding[spatial] != span // 2:
         return "a convolution that changes the grid's size (not padded to keep it)", 0
-    return RuleResult(TOKEN_LOCAL, (grid_dim,)), span // 2
+    return NodeRole(Role.TOKEN_LOCAL, (grid_dim,)), span // 2
 
 
 def _convolution_arguments(node: fx.Node, spatial_dims: int) -> tuple[list[int], Any, list[int], bool]:
@@ -225,27 +224,29 @@ def check_outside_inputs(node: fx.Node, region: GridRegion, analysis: SequenceAn
             raise GridRegionRefused(region.entry, f"{node.name} combines the window with another grid's "
                                                   f"({other.name}), whose window may differ")
         role = analysis.roles.get(other)
-        if role is not None and (analysis.dims_of(other) or role.role not in (NONE, SOURCE)):
+        if role is not None and (analysis.dims_of(other) or role.role not in (Role.NONE, Role.SOURCE)):
             raise GridRegionRefused(region.entry, f"{node.name} reads {other.name}, which is sequence-indexed, "
                                                   "from outside the grid")
-        if role is not None and role.role == SOURCE:
+        if role is not None and role.role == Role.SOURCE:
             raise GridRegionRefused(region.entry, f"{node.name} reads {other.name}, a full sequence-indexed value")
 
 
-def member_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+@stage_rule(Stage.GRID_MEMBER)
+def member_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     region = analysis.grid_members[node]
     check_outside_inputs(node, region, analysis)
-    return RuleResult(NONE, reason=f"runs on this rank's window of the grid entered at {region.entry.name}")
+    return NodeRole(Role.NONE, reason=f"runs on this rank's window of the grid entered at {region.entry.name}")
 
 
-def exit_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+@stage_rule(Stage.GRID_EXIT)
+def exit_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     region = analysis.grid_exits[node]
     check_outside_inputs(node, region, analysis)
-    return RuleResult(MIXING, (SequenceDim(region.exits[node]),), (region.entry,),
-                      "flattens a grid window back into tokens", rewrite="leave_grid_window")
+    return NodeRole(Role.MIXING, (SequenceDim(region.exits[node]),), (region.entry,),
+                    "flattens a grid window back into tokens", rewrite=Rewrite.LEAVE_GRID_WINDOW)
 
 
-def register(region: GridRegion, analysis: SequenceAnalysis) -> RuleResult:
+def register(region: GridRegion, analysis: SequenceAnalysis) -> NodeRole:
     """Record the region on the analysis; the entry's own role."""
     analysis.grid_regions[region.entry] = region
     for member in region.members | region.size_reads:
@@ -253,6 +254,6 @@ def register(region: GridRegion, analysis: SequenceAnalysis) -> RuleResult:
     for exit_node in region.exits:
         analysis.grid_exits[exit_node] = region
     source = region.entry.args[0]
-    return RuleResult(MIXING, (), (source,), f"enters a grid window (reach {region.radius} along "
+    return NodeRole(Role.MIXING, (), (source,), f"enters a grid window (reach {region.radius} along "
                                              f"{region.units} steps of {region.unit} tokens)",
-                      rewrite="enter_grid_window")
+                      rewrite=Rewrite.ENTER_GRID_WINDOW)

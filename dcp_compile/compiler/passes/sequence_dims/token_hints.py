@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.compiler.passes.find_attention import SDPA, AttentionSite
-from dcp_compile.compiler.passes.sequence_dims import POINTWISE_EXTRA, VIEWS  # imported at its end
+from dcp_compile.compiler.passes.sequence_dims.registry import POINTWISE_EXTRA, VIEWS
 
 aten = torch.ops.aten
 

@@ -18,150 +18,153 @@ whose rows are permuted (a gather would interleave the ranks' local orders).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import sympy
 import torch
 import torch.fx as fx
 
-from dcp_compile.compiler.passes.sequence_dims import (
-    INHERIT, MIXING, TOKEN_LOCAL, TOKEN_SET, RuleResult, SequenceAnalysis, SequenceDim, _equal, _mixing, _val,
-    expression, rule, shape_of,
+from dcp_compile.compiler.passes.sequence_dims.model import (
+    NodeRole, Rewrite, Role, SequenceAnalysis, SequenceDim, TokenPositions,
 )
+from dcp_compile.compiler.passes.sequence_dims.registry import (
+    Stage, mixing, op_name, pointwise, rule, stage_rule,
+)
+from dcp_compile.compiler.passes.sequence_dims.symbolic import equal, normalize, shape_of, value_of
 
 aten = torch.ops.aten
 
 
-@dataclass(frozen=True)
-class TokenPositions:
-    """An index tensor whose values are local row positions.
-
-    ``sort`` is the permutation they belong to; ``inner`` the frame they address (positions into a
-    token dimension ``outer * L * inner``: the ``[B*S*k]`` (token, expert) pairs have inner k,
-    ``[B*S]`` tokens inner 1); ``inverse`` marks the inverse permutation (token order to sorted
-    position) rather than the sort's own indices (sorted position to token order).
-    """
-
-    sort: fx.Node
-    inner: Any
-    inverse: bool = False
-
-
-def _token_dim(node: Any, analysis: SequenceAnalysis) -> SequenceDim | None:
+def token_dim(node: Any, analysis: SequenceAnalysis) -> SequenceDim | None:
     dims = analysis.dims_of(node)
     if len(dims) != 1 or dims[0].dim != 0 or dims[0].before != 0 or dims[0].after != 0:
         return None
     return dims[0]
 
 
-def sort_token_set(node: fx.Node, analysis: SequenceAnalysis, source: fx.Node, dim: int) -> RuleResult | None:
+def sort_token_set(node: fx.Node, analysis: SequenceAnalysis, source: fx.Node, dim: int) -> NodeRole | None:
     """``sort``/``argsort`` of a 1-D token-indexed value (expert ids) along its tokens: the local
     rows sorted locally, with the sort's own indices as positions in that frame."""
-    seq = _token_dim(source, analysis)
-    if seq is None or dim != 0 or _val(source).dim() != 1 or analysis.roles[source].token_order is not None:
+    seq = token_dim(source, analysis)
+    if seq is None or dim != 0 or value_of(source).dim() != 1 or analysis.roles[source].token_order is not None:
         return None
     positions = TokenPositions(node, seq.inner)
-    out = _val(node)
+    out = value_of(node)
     if isinstance(out, (tuple, list)):
         analysis.positions[(node, 1)] = positions
-        return RuleResult(TOKEN_LOCAL, (seq,), (source,), "sorts this rank's tokens (a local permutation)",
-                          element_dims=((seq,), (seq,)), token_order=node)
+        return NodeRole(Role.TOKEN_LOCAL, (seq,), (source,), "sorts this rank's tokens (a local permutation)",
+                        element_dims=((seq,), (seq,)), token_order=node)
     analysis.positions[node] = positions  # argsort: the indices alone
-    return RuleResult(TOKEN_LOCAL, (seq,), (source,), "sorts this rank's tokens (a local permutation)",
-                      token_order=node)
+    return NodeRole(Role.TOKEN_LOCAL, (seq,), (source,), "sorts this rank's tokens (a local permutation)",
+                    token_order=node)
 
 
 @rule(aten.floor_divide.default, aten.div.Tensor_mode)
-def _position_of_token(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+def position_of_token(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     """``pair_position // k``: from the (token, expert) frame to the token frame."""
-    from dcp_compile.compiler.passes.sequence_dims import _pointwise
-
     source, divisor = node.args[:2]
     positions = analysis.positions.get(source)
-    result = _pointwise(node, analysis)
+    result = pointwise(node, analysis)
     if positions is None or not isinstance(divisor, int) or divisor <= 0:
         return result
     if node.target is aten.div.Tensor_mode and node.kwargs.get("rounding_mode", node.args[2] if len(node.args) > 2 else None) != "floor":
         return result
     inner = sympy.cancel(positions.inner / divisor)
-    if result.role == TOKEN_LOCAL and sympy.fraction(inner)[1] == 1:
+    if result.role == Role.TOKEN_LOCAL and sympy.fraction(inner)[1] == 1:
         analysis.positions[node] = TokenPositions(positions.sort, inner, positions.inverse)
     return result
 
 
 @rule(aten.index.Tensor)
-def _index_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+def index_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     """``rows[positions]`` inside a token permutation: gather the local rows in sorted order, or
     put them back in token order with the inverse permutation."""
     source, indices = node.args[:2]
     index = indices[0] if len(indices) == 1 and isinstance(indices[0], fx.Node) else None
     positions = analysis.positions.get(index) if index is not None else None
-    source_seq = _token_dim(source, analysis)
+    source_seq = token_dim(source, analysis)
     if positions is None or source_seq is None:
         if index is not None and not analysis.dims_of(source):
             # ``table[token_ids]``: rows of a replicated table picked per token, an embedding lookup.
-            return RuleResult(TOKEN_LOCAL, analysis.dims_of(index), (index,) if analysis.dims_of(index) else ())
-        return _mixing("no sharding rule for index.Tensor", node, analysis)
-    index_seq = _token_dim(index, analysis)
-    if index_seq is None or not _equal(source_seq.inner, positions.inner) or not _equal(source_seq.outer, index_seq.outer):
-        return _mixing("indexes token rows in another frame than its positions address", node, analysis)
+            return NodeRole(Role.TOKEN_LOCAL, analysis.dims_of(index), (index,) if analysis.dims_of(index) else ())
+        return mixing("no sharding rule for index.Tensor")
+    index_seq = token_dim(index, analysis)
+    if index_seq is None or not equal(source_seq.inner, positions.inner) or not equal(source_seq.outer, index_seq.outer):
+        return mixing("indexes token rows in another frame than its positions address")
     source_order = analysis.roles[source].token_order
     if not positions.inverse and source_order is None:
         order = positions.sort  # rows gathered in the sort's order
     elif positions.inverse and source_order is positions.sort:
         order = None  # back in token order
     else:
-        return _mixing("indexes token rows with the positions of another permutation", node, analysis)
-    return RuleResult(TOKEN_LOCAL, (index_seq,), (source, index), "rows of this rank's tokens, permuted locally",
-                      token_order=order)
+        return mixing("indexes token rows with the positions of another permutation")
+    return NodeRole(Role.TOKEN_LOCAL, (index_seq,), (source, index), "rows of this rank's tokens, permuted locally",
+                    token_order=order)
 
 
 @rule(aten.index_put_.default, aten.index_put.default)
-def _inverse_permutation_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+def inverse_permutation_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     """``inverse[perm] = arange(n)``: the inverse of a local permutation, built on the local rows."""
     destination, indices, values = node.args[:3]
     index = indices[0] if len(indices) == 1 and isinstance(indices[0], fx.Node) else None
     positions = analysis.positions.get(index) if index is not None else None
     if (positions is None or positions.inverse or not isinstance(values, fx.Node)
-            or values.target not in (aten.arange.default, aten.arange.start) or len(node.args) > 3 and node.args[3]):
+        or values.target not in (aten.arange.default, aten.arange.start) or len(node.args) > 3 and node.args[3]):
         if analysis.dims_of(destination) or (index is not None and analysis.dims_of(index)):
-            return _mixing("index_put_ with no sharding rule", node, analysis)
-        return RuleResult(TOKEN_LOCAL)
-    index_seq = _token_dim(index, analysis)
-    if index_seq is None or not _equal(shape_of(_val(values))[0], shape_of(_val(index))[0]):
-        return _mixing("index_put_ of positions that do not cover the tokens", node, analysis)
+            return mixing("index_put_ with no sharding rule")
+        return NodeRole(Role.TOKEN_LOCAL)
+    index_seq = token_dim(index, analysis)
+    if index_seq is None or not equal(shape_of(value_of(values))[0], shape_of(value_of(index))[0]):
+        return mixing("index_put_ of positions that do not cover the tokens")
     analysis.positions[node] = TokenPositions(positions.sort, positions.inner, inverse=True)
-    return RuleResult(MIXING, (index_seq,), (index,), "the inverse of a local token permutation",
-                      rewrite="inverse_permutation", token_order=positions.sort)
+    return NodeRole(Role.MIXING, (index_seq,), (index,), "the inverse of a local token permutation",
+                    rewrite=Rewrite.INVERSE_PERMUTATION, token_order=positions.sort)
 
 
 @rule(aten.histc.default, aten.bincount.default)
-def _token_count_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+def token_count_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     """Counts over this rank's (sorted) tokens: the group sizes of its own rows."""
     source = node.args[0]
     if analysis.dims_of(source) and analysis.roles[source].token_order is not None:
-        return RuleResult(TOKEN_SET, (), (source,), "counts this rank's tokens", token_order=None)
+        return NodeRole(Role.TOKEN_SET, (), (source,), "counts this rank's tokens", token_order=None)
     if analysis.dims_of(source):
-        return _mixing(f"{node.target} over the sequence", node, analysis)
-    return RuleResult(TOKEN_LOCAL)
+        return mixing(f"{node.target} over the sequence")
+    return NodeRole(Role.TOKEN_LOCAL)
 
 
-def grouped_matmul_rule(node: fx.Node, analysis: SequenceAnalysis) -> RuleResult:
+@stage_rule(Stage.GROUPED_MATMUL)
+def grouped_matmul_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     """``grouped_mm(rows, weights, offsets)``: each row times its group's weight; with the groups
     counted from the same local rows, a row-wise op."""
     rows, weights = node.args[:2]
     offsets = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
-    seq = _token_dim(rows, analysis)
+    seq = token_dim(rows, analysis)
     if seq is None or analysis.dims_of(weights):
-        return _mixing("grouped matmul over the sequence", node, analysis)
-    if isinstance(offsets, fx.Node) and analysis.roles.get(offsets) is not None and analysis.roles[offsets].role == TOKEN_SET:
-        return RuleResult(TOKEN_LOCAL, (seq,), (rows, offsets), "each row by its expert (groups counted locally)",
-                          token_order=analysis.roles[rows].token_order)
-    return _mixing("grouped matmul whose groups are not counted from this rank's tokens", node, analysis)
+        return mixing("grouped matmul over the sequence")
+    if isinstance(offsets, fx.Node) and analysis.roles.get(offsets) is not None and analysis.roles[offsets].role == Role.TOKEN_SET:
+        return NodeRole(Role.TOKEN_LOCAL, (seq,), (rows, offsets), "each row by its expert (groups counted locally)",
+                        token_order=analysis.roles[rows].token_order)
+    return mixing("grouped matmul whose groups are not counted from this rank's tokens")
 
 
-def is_grouped_matmul(target: Any) -> bool:
-    """``aten._grouped_mm`` and the eager fallbacks libraries register for it (transformers')."""
-    name = str(target)
-    return "grouped_mm" in name and "backward" not in name
+@rule(aten.topk.default, aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable,
+      aten.kthvalue.default)
+def select_along_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+    """Sorting or picking the top-k along a feature dimension (a router over experts) keeps tokens apart."""
+    source = node.args[0]
+    rank = value_of(source).dim()
+    if node.target is aten.topk.default:
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    elif node.target is aten.kthvalue.default:
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    else:
+        dim = node.kwargs.get("dim", -1)
+        if len(node.args) > 1 and isinstance(node.args[1], int) and not isinstance(node.args[1], bool):
+            dim = node.args[1]
+    dim = normalize(dim, rank)
+    dims = analysis.dims_of(source)
+    if any(seq.dim == dim for seq in dims):
+        return sort_token_set(node, analysis, source, dim) or mixing(f"{op_name(node)} along the sequence dimension")
+    out = value_of(node)
+    elements = tuple(dims for _ in out) if isinstance(out, (tuple, list)) else None
+    return NodeRole(Role.TOKEN_LOCAL, dims, (source,), element_dims=elements)

@@ -1,0 +1,42 @@
+"""Elementwise ops the pointwise tag does not cover: a dtype cast by example, one-hot encoding,
+a user's elementwise ``autograd.Function``, and the size reads that carry no tensor."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from dcp_compile.compiler.custom_autograd import custom_autograd_function, function_of
+from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Role, SequenceAnalysis
+from dcp_compile.compiler.passes.sequence_dims.registry import mixing, pointwise, rule
+
+aten = torch.ops.aten
+
+
+@rule(aten.type_as.default)
+def type_as_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+    """``a.type_as(b)`` reads only ``b``'s dtype: it keeps ``a``'s layout, whatever ``b``'s shape."""
+    source, other = node.args[:2]
+    dims = analysis.dims_of(source)
+    aligned = (source, other) if dims and analysis.dims_of(other) else (source,)
+    return NodeRole(Role.TOKEN_LOCAL if dims else Role.NONE, dims, aligned if dims else ())
+
+
+@rule(aten.one_hot.default)
+def one_hot_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+    source = node.args[0]
+    return NodeRole(Role.TOKEN_LOCAL, analysis.dims_of(source), (source,))
+
+
+@rule(custom_autograd_function._opoverload)
+def custom_autograd_function_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+    """A user's ``autograd.Function``: token-local when its forward and backward are elementwise."""
+    function = function_of(node.args[0])
+    if function.elementwise:
+        return pointwise(node, analysis)
+    return mixing(f"custom autograd.Function at {function.name} is not elementwise")
+
+
+@rule(aten.sym_size.int)
+def sym_size_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+    return NodeRole(Role.NONE)

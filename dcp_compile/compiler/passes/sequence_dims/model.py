@@ -1,0 +1,214 @@
+"""The sequence analysis' data: where the sequence is in a value, what a node does to it, and the
+analysis' result. Every rule and lowering speaks these types; nothing here knows any op.
+
+Roles and rewrites are enums so that ``grep -rn "Rewrite.SUM_OVER_SEQUENCE"`` finds both the rule
+that decides it and the lowering that carries it out (``shard_sequence``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any, Union
+
+import networkx as nx
+import sympy
+import torch.fx as fx
+
+from dcp_compile.compiler.passes.find_attention import AttentionSite
+
+
+class _NamedEnum(str, Enum):
+    """An enum whose members print as their value (``dcp.explain`` shows ``sequence_mixing``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Role(_NamedEnum):
+    """What a node does to the sequence."""
+
+    SOURCE = "source"  # creates a sequence dimension (an input, an arange, a patchify's flatten)
+    TOKEN_LOCAL = "token_local"  # keeps every position apart: runs on a chunk
+    ATTENTION = "attention"  # reads across positions inside attention only (Ulysses)
+    MIXING = "sequence_mixing"  # reads across positions: gathered, unless a Rewrite applies
+    NONE = "none"  # no sequence dimension in or out
+    # A value computed from the set of this rank's tokens that is not indexed by them (per-expert
+    # token counts of an MoE dispatch): it runs on the rank's tokens and is never gathered.
+    TOKEN_SET = "token_set"
+
+
+class Rewrite(_NamedEnum):
+    """A sequence-mixing op with a cheap exact form on chunks; ``shard_sequence`` lowers each."""
+
+    REPLICATED_QUERY_ATTENTION = "replicated_query_attention"
+    REPLICATED_QUERY_REGION = "replicated_query_region"
+    SELECT_POSITION = "select_position"
+    TAKE_SHARDED_SEGMENT = "take_sharded_segment"
+    TAKE_LEADING_SEGMENT = "take_leading_segment"
+    TAKE_TRAILING_SEGMENT = "take_trailing_segment"
+    SPLIT_SEGMENTS = "split_segments"
+    SUM_OVER_SEQUENCE = "sum_over_sequence"
+    CONTRACT_OVER_SEQUENCE = "contract_over_sequence"
+    LOSS_OVER_SEQUENCE = "loss_over_sequence"
+    INVERSE_PERMUTATION = "inverse_permutation"
+    ENTER_GRID_WINDOW = "enter_grid_window"
+    LEAVE_GRID_WINDOW = "leave_grid_window"
+
+
+class _Inherit(Enum):
+    INHERIT = "inherit"
+
+
+# A rule's token order when it sets none: the one order its aligned inputs share (resolved by the
+# propagation driver before the role is stored).
+INHERIT = _Inherit.INHERIT
+TokenOrder = Union[fx.Node, None, _Inherit]
+
+
+@dataclass(frozen=True)
+class SequenceDim:
+    """Dimension ``dim`` has size ``outer * L * inner`` (row-major), L the sequence length.
+
+    A *joint* dimension (joint attention: text tokens concatenated with image tokens) has size
+    ``before + L + after``: only the L tokens of the long modality are sharded, the short
+    segments around them are replicated, so a rank holds ``[before | its chunk of L | after]``.
+    """
+
+    dim: int
+    outer: Any = sympy.Integer(1)
+    inner: Any = sympy.Integer(1)
+    before: Any = sympy.Integer(0)
+    after: Any = sympy.Integer(0)
+
+    @property
+    def plain(self) -> bool:
+        return self.outer == 1 and self.inner == 1 and self.before == 0 and self.after == 0
+
+    @property
+    def joint(self) -> bool:
+        return self.outer == 1 and self.inner == 1 and not (self.before == 0 and self.after == 0)
+
+    @property
+    def unflattened(self) -> bool:
+        """Not folded with another dimension (plain or joint)."""
+        return self.outer == 1 and self.inner == 1
+
+    def moved(self, dim: int) -> "SequenceDim":
+        return replace(self, dim=dim)
+
+    def __str__(self) -> str:
+        if self.plain:
+            return f"dim {self.dim}"
+        if self.joint:
+            return f"dim {self.dim} = {self.before} + L + {self.after} (replicated around the chunk)"
+        return f"dim {self.dim} = {self.outer}*L*{self.inner}"
+
+
+@dataclass
+class NodeRole:
+    """What a rule decides for one node, and what the analysis keeps for it (one record for both)."""
+
+    role: Role
+    sequence_dims: tuple[SequenceDim, ...] = ()  # of the output (of element 0 for tuples)
+    aligned_inputs: tuple[fx.Node, ...] = ()  # inputs whose chunking must match this node's
+    reason: str = ""
+    rewrite: Rewrite | None = None
+    element_dims: tuple[tuple[SequenceDim, ...], ...] | None = None  # per element of a tuple output
+    # The sort whose order this value's token rows follow (None: token order); INHERIT only in a
+    # rule's answer, never in the analysis.
+    token_order: TokenOrder = INHERIT
+    # Operands with no sequence dimension of their own that span it by broadcasting: the
+    # propagation driver records them as sources of ``dim`` (see registry.pointwise).
+    partners: tuple[tuple[fx.Node, SequenceDim], ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenPositions:
+    """An index tensor whose values are local row positions.
+
+    ``sort`` is the permutation they belong to; ``inner`` the frame they address (positions into a
+    token dimension ``outer * L * inner``: the ``[B*S*k]`` (token, expert) pairs have inner k,
+    ``[B*S]`` tokens inner 1); ``inverse`` marks the inverse permutation (token order to sorted
+    position) rather than the sort's own indices (sorted position to token order).
+    """
+
+    sort: fx.Node
+    inner: Any
+    inverse: bool = False
+
+
+@dataclass
+class GridRegion:
+    """A stretch that reshapes the tokens into a grid and back, run on each rank's window (see
+    ``grid_rules``)."""
+
+    entry: fx.Node  # the reshape that splits the tokens into a grid
+    token_dim: int  # the tokens' dimension in the entry's input
+    units: Any  # sympy: outermost grid steps (rows of an image, frames of a video)
+    unit: Any  # sympy: tokens per outermost step
+    radius: int = 0  # outermost steps a kept position reads on each side
+    grid_dims: dict[fx.Node, SequenceDim] = field(default_factory=dict)  # member -> its outermost grid dimension
+    exits: dict[fx.Node, int] = field(default_factory=dict)  # reshape back to tokens -> its token dimension
+    size_reads: set[fx.Node] = field(default_factory=set)  # sym_size of members (read as the full grid's)
+    outside_inputs: dict[fx.Node, set[fx.Node]] = field(default_factory=dict)  # member -> inputs from outside
+
+    @property
+    def members(self) -> set[fx.Node]:
+        return set(self.grid_dims) - {self.entry}
+
+
+class GridRegionRefused(Exception):
+    """Raised while the analysis runs, when a region's member reads a sequence-indexed value from
+    outside the region: the driver starts over without that region (its entry gathers)."""
+
+    def __init__(self, entry: fx.Node, reason: str) -> None:
+        super().__init__(reason)
+        self.entry, self.reason = entry, reason
+
+
+@dataclass
+class SequenceAnalysis:
+    length: Any  # sympy expression of the attention length, or None when there is no attention
+    roles: dict[fx.Node, NodeRole] = field(default_factory=dict)
+    graph: nx.DiGraph | None = None
+    regions: dict[fx.Node, AttentionSite] = field(default_factory=dict)  # hand-written region output -> site
+    region_members: dict[fx.Node, AttentionSite] = field(default_factory=dict)  # its other nodes -> site
+    positions: dict[Any, TokenPositions] = field(default_factory=dict)  # node or (node, index) -> positions
+    parameters: frozenset[fx.Node] = frozenset()  # placeholders holding the model's parameters
+    # For a constant length only: the dimensions that hold the tokens on the way to an attention
+    # (ties between dimensions of the length's size are broken by them; see token_hints).
+    token_dims: dict[fx.Node, set[int]] | None = None
+    # Token grids run on each rank's window (see grid_rules): entry -> region, its members (and
+    # size reads of them) -> region, its exits -> region; entries refused on an earlier attempt.
+    grid_regions: dict[fx.Node, GridRegion] = field(default_factory=dict)
+    grid_members: dict[fx.Node, GridRegion] = field(default_factory=dict)
+    grid_exits: dict[fx.Node, GridRegion] = field(default_factory=dict)
+    refused_grids: dict[fx.Node, str] = field(default_factory=dict)
+
+    def dims_of(self, node: Any, index: int | None = None) -> tuple[SequenceDim, ...]:
+        role = self.roles.get(node) if isinstance(node, fx.Node) else None
+        if role is None:
+            return ()
+        if index is not None and role.element_dims is not None:
+            return role.element_dims[index] if index < len(role.element_dims) else ()
+        return role.sequence_dims
+
+    def role_of(self, node: Any) -> Role | None:
+        role = self.roles.get(node) if isinstance(node, fx.Node) else None
+        return None if role is None else role.role
+
+    def table(self) -> list[tuple[str, str, str, str]]:
+        rows = []
+        for node, role in self.roles.items():
+            if role.role is Role.NONE:
+                continue
+            dims = ", ".join(str(d) for d in role.sequence_dims) or "-"
+            detail = role.rewrite and f"rewrite: {role.rewrite}" or role.reason
+            if node in self.refused_grids and not role.rewrite:
+                detail += f" (no grid window: {self.refused_grids[node]})"
+            rows.append((node.name, str(node.target).replace("aten.", ""), role.role.value, f"{dims} {detail}".strip()))
+        return rows

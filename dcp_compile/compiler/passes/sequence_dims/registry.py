@@ -1,0 +1,305 @@
+"""The rule registry and the one place that says which rule decides a node.
+
+Rules are registered the way DTensor registers its op strategies: a rule module decorates a
+function with ``@rule(*targets)`` (by op) or ``@stage_rule(Stage.X)`` (for a link of the chain
+below that is not keyed by op), and ``sequence_dims/__init__`` imports every rule module once.
+A rule is ``(node, analysis) -> NodeRole`` and reads only the roles of the node's inputs.
+
+:func:`classify` is the precedence chain, top to bottom. Default deny: an op with a sequence
+input and no rule is sequence-mixing, with the reason "no sharding rule".
+
+The fallbacks the chain itself needs live here as well: :func:`pointwise` (the elementwise rule,
+which other rules reuse) and :func:`sized_source` (a value created with the sequence's size).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from dcp_compile.compiler.passes.sequence_dims.model import (
+    NodeRole, Rewrite, Role, SequenceAnalysis, SequenceDim,
+)
+from dcp_compile.compiler.passes.sequence_dims.symbolic import equal, shape_of, value_of
+
+aten = torch.ops.aten
+
+Rule = Callable[[fx.Node, SequenceAnalysis], NodeRole]
+StageRule = Callable[[fx.Node, SequenceAnalysis], "NodeRole | None"]
+
+POINTWISE_EXTRA = {
+    aten.clone.default, aten.contiguous.default, aten._to_copy.default, aten.to.dtype,
+    aten.to.dtype_layout, aten.to.device, aten.to.other, aten.detach.default, aten.alias.default,
+    aten.lift_fresh_copy.default, aten.dropout.default, aten.where.self, aten.where.ScalarOther,
+    aten.where.ScalarSelf, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
+    aten.rand_like.default, aten.randn_like.default, aten.copy.default, aten.copy_.default,
+    aten.native_dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
+}
+VIEWS = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+    aten.unflatten.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.squeeze.default, aten.view_as.default, aten.reshape_as.default,
+}
+
+RULES: dict[Any, Rule] = {}
+
+
+class Stage(Enum):
+    """Links of the precedence chain decided by what the analysis knows of a node, not by its op."""
+
+    GRID_EXIT = "a reshape that flattens a grid window back into tokens"
+    GRID_MEMBER = "an op inside a grid window"
+    ATTENTION_REGION = "the output of a hand-written attention"
+    GRID_ENTRY = "a reshape that splits the tokens into a grid (may open a grid window)"
+    GROUPED_MATMUL = "a grouped matmul (an MoE's experts)"
+
+
+STAGE_RULES: dict[Stage, StageRule] = {}
+
+
+def rule(*targets: Any) -> Callable[[Rule], Rule]:
+    """Register ``function`` as the rule of each op in ``targets``."""
+
+    def register(function: Rule) -> Rule:
+        for target in targets:
+            RULES[target] = function
+        return function
+
+    return register
+
+
+def stage_rule(stage: Stage) -> Callable[[StageRule], StageRule]:
+    """Register ``function`` as the rule of a link of the precedence chain."""
+
+    def register(function: StageRule) -> StageRule:
+        STAGE_RULES[stage] = function
+        return function
+
+    return register
+
+
+# --- helpers every rule uses ------------------------------------------------------------------
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    return [n for n in node.all_input_nodes if isinstance(value_of(n), torch.Tensor)]
+
+
+def sequence_inputs(node: fx.Node, analysis: SequenceAnalysis) -> list[fx.Node]:
+    return [n for n in node.all_input_nodes if analysis.dims_of(n)]
+
+
+def single(dims: tuple[SequenceDim, ...]) -> SequenceDim | None:
+    return dims[0] if len(dims) == 1 else None
+
+
+def mixing(reason: str, rewrite: Rewrite | None = None, aligned: tuple[fx.Node, ...] = ()) -> NodeRole:
+    """Sequence-mixing: gathered with ``reason``, unless ``rewrite`` lowers it on chunks."""
+    return NodeRole(Role.MIXING, (), aligned, reason, rewrite)
+
+
+def op_name(node: fx.Node) -> str:
+    return str(node.target).replace("aten.", "").replace(".default", "")
+
+
+def is_pointwise(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and (
+        torch.Tag.pointwise in target.tags or target in POINTWISE_EXTRA)
+
+
+def is_grouped_matmul(target: Any) -> bool:
+    """``aten._grouped_mm`` and the eager fallbacks libraries register for it (transformers')."""
+    name = str(target)
+    return "grouped_mm" in name and "backward" not in name
+
+
+# --- the fallbacks of the chain -----------------------------------------------------------------
+
+def pointwise(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+    """Elementwise (with broadcasting): the output keeps its inputs' sequence dimension."""
+    out = value_of(node)
+    out_value = out[0] if isinstance(out, (tuple, list)) else out
+    out_rank = out_value.dim()
+    mapped: dict[int, SequenceDim] = {}
+    aligned = []
+    for source in sequence_inputs(node, analysis):
+        source_rank = value_of(source).dim()
+        for seq in analysis.dims_of(source):
+            out_dim = seq.dim + out_rank - source_rank
+            existing = mapped.get(out_dim)
+            if existing is not None and existing != seq.moved(out_dim):
+                return mixing("combines sequence dimensions of different layouts")
+            mapped[out_dim] = seq.moved(out_dim)
+        aligned.append(source)
+    if len(mapped) > 1:
+        return mixing("combines two sequence positions (an outer product)")
+    dims = tuple(mapped.values())
+    partners: tuple[tuple[fx.Node, SequenceDim], ...] = ()
+    if len(dims) == 1:
+        partners = broadcast_partners(node, analysis, dims[0], out_rank)
+        aligned += [partner for partner, _ in partners]
+    elements = None
+    if isinstance(out, (tuple, list)):
+        elements = tuple(dims if isinstance(e, torch.Tensor) and e.dim() == out_rank else () for e in out)
+    return NodeRole(Role.TOKEN_LOCAL, dims, tuple(aligned), element_dims=elements, partners=partners)
+
+
+def broadcast_partners(node: fx.Node, analysis: SequenceAnalysis, seq: SequenceDim,
+                       out_rank: int) -> tuple[tuple[fx.Node, SequenceDim], ...]:
+    """Operands with no sequence dimension of their own that still span the sequence.
+
+    ``x + pos_embed`` where ``x`` is ``[B, (H//2)**2, D]`` and ``pos_embed`` a ``[1, 9, D]``
+    buffer: broadcasting makes the sizes equal at run time although the expressions differ, so the
+    buffer is sequence-indexed too and must be cut to the same chunk (a size of 1 broadcasts).
+    The same holds for flattened tokens: a ``[B*L, 1, D]`` modulation built by
+    ``repeat_interleave`` next to ``[B*L, F, D]`` activations is cut to the rows the rank holds,
+    whatever its own expression, because an elementwise op pairs rows by index. The driver
+    records each as a source of the dimension returned with it.
+    """
+    partners = []
+    for source in tensor_inputs(node):
+        if analysis.dims_of(source):
+            continue
+        shape = shape_of(value_of(source))
+        position = seq.dim - (out_rank - len(shape))
+        if position < 0 or equal(shape[position], 1):
+            continue
+        role = analysis.roles.get(source)
+        if role is not None and role.role not in (Role.NONE, Role.SOURCE):
+            continue
+        partners.append((source, seq.moved(position)))
+    return tuple(partners)
+
+
+def record_partners(result: NodeRole, analysis: SequenceAnalysis) -> None:
+    """Record the broadcast partners a rule found as sources of the sequence."""
+    for partner, dim in result.partners:
+        analysis.roles[partner] = NodeRole(Role.SOURCE, (dim,), reason="spans the sequence by broadcasting",
+                                           token_order=None)
+
+
+def sized_source(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+    """A value whose size at some dimension is the attention length, so indexed by tokens.
+
+    Not a parameter: its sizes come from the model's configuration, never from the data, and a
+    constant attention length may equal one of them (Z-Image pads its tokens to a multiple of 32
+    and has a width of 32 in the zoo). A parameter that does span the tokens (a position table
+    added to the activations) is found as a broadcast partner of the value it is added to."""
+    value = value_of(node)
+    if not isinstance(value, torch.Tensor) or analysis.length is None or node in analysis.parameters:
+        return NodeRole(Role.NONE)
+    dims = tuple(SequenceDim(d) for d, size in enumerate(shape_of(value)) if equal(size, analysis.length))
+    if not dims:
+        return NodeRole(Role.NONE)
+    if analysis.token_dims is not None:
+        # A constant length that another size may equal (a width of 32 at 32 tokens): a
+        # computed value holds tokens where an attention reads them from; an input, unless
+        # an attention reads its tokens from another of its dimensions.
+        hinted = tuple(d for d in dims if d.dim in analysis.token_dims.get(node, ()))
+        if node.op not in ("placeholder", "get_attr") or (node in analysis.token_dims and hinted):
+            dims = hinted
+        if not dims:
+            return NodeRole(Role.NONE)
+    if len(dims) > 1:
+        return NodeRole(Role.MIXING, (), (), "creates a value with several sequence dimensions")
+    return NodeRole(Role.SOURCE, dims, (), "creates the sequence dimension")
+
+
+def token_set_inputs(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole | None:
+    """An op over token-set values alone (``cumsum`` of per-expert counts) stays a token-set value."""
+    if node.op != "call_function":
+        return None
+    inputs = [n for n in node.all_input_nodes if n in analysis.roles]
+    sets = [n for n in inputs if analysis.roles[n].role is Role.TOKEN_SET]
+    if not sets or any(analysis.dims_of(n) for n in inputs):
+        return None
+    return NodeRole(Role.TOKEN_SET, (), tuple(sets), "computed from this rank's token set")
+
+
+# --- the precedence chain -----------------------------------------------------------------------
+
+def classify(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+    """The role of ``node``, given its inputs' roles. The first link that applies decides:
+
+    1. an op over token-set values alone stays a token-set value;
+    2. a graph input or attribute is a source where it has the sequence's size;
+    3. a grid window's exit, then a grid window's member (``Stage.GRID_EXIT``, ``GRID_MEMBER``);
+    4. a hand-written attention's output (``Stage.ATTENTION_REGION``); its other nodes are
+       attention (they run on the rank's heads with it);
+    5. a grouped matmul over the sequence (``Stage.GROUPED_MATMUL``);
+    6. the op's rule (``RULES``); a reshape that splits the tokens may first open a grid window
+       (``Stage.GRID_ENTRY``);
+    7. an elementwise op (``pointwise``);
+    8. anything else over the sequence: sequence-mixing, "no sharding rule".
+
+    Then :func:`_settle` corrects what a rule cannot see: a value created with the sequence's
+    size is a source, and a second sequence dimension appearing makes the op mixing.
+    """
+    from_sets = token_set_inputs(node, analysis)
+    if from_sets is not None:
+        return from_sets
+    if node.op in ("placeholder", "get_attr"):
+        return sized_source(node, analysis)
+    if node in analysis.grid_exits:
+        return STAGE_RULES[Stage.GRID_EXIT](node, analysis)
+    if node in analysis.grid_members:
+        return STAGE_RULES[Stage.GRID_MEMBER](node, analysis)
+    if node in analysis.regions:
+        return STAGE_RULES[Stage.ATTENTION_REGION](node, analysis)
+    if node in analysis.region_members:
+        return NodeRole(Role.ATTENTION, (), (), "inside a hand-written attention (runs on the rank's heads)")
+    if node.op == "output":
+        return NodeRole(Role.NONE)
+    has_sequence_input = bool(sequence_inputs(node, analysis))
+    target = node.target
+    result: NodeRole | None = None
+    if has_sequence_input and is_grouped_matmul(target):
+        result = STAGE_RULES[Stage.GROUPED_MATMUL](node, analysis)
+    elif has_sequence_input and target in VIEWS:
+        result = STAGE_RULES[Stage.GRID_ENTRY](node, analysis)
+    if result is not None:
+        pass
+    elif target in RULES:
+        result = RULES[target](node, analysis)
+    elif is_pointwise(target):
+        result = pointwise(node, analysis) if has_sequence_input else NodeRole(Role.NONE)
+    elif has_sequence_input:
+        result = mixing(f"no sharding rule for {op_name(node)}")
+    else:
+        result = NodeRole(Role.NONE)
+    return _settle(node, analysis, result, has_sequence_input)
+
+
+def _settle(node: fx.Node, analysis: SequenceAnalysis, result: NodeRole, has_sequence_input: bool) -> NodeRole:
+    """What the rule's answer means for the value it produces."""
+    if result.role is Role.NONE or (result.role is Role.TOKEN_LOCAL and not result.sequence_dims):
+        if not has_sequence_input or result.role is Role.NONE:
+            created = sized_source(node, analysis)
+            if created.role is not Role.NONE:
+                return created
+        if result.role is Role.TOKEN_LOCAL and not result.sequence_dims:
+            return NodeRole(Role.NONE, partners=result.partners)
+    elif result.role is Role.TOKEN_LOCAL:
+        # An op that keeps one sequence dimension but creates another (an expand of a mask, or a
+        # bias over keys broadcast against a [B, 1, S, S] mask as Falcon's ALiBi is) mixes.
+        value = value_of(node)
+        if isinstance(value, torch.Tensor) and analysis.length is not None:
+            sized = {d for d, size in enumerate(shape_of(value)) if equal(size, analysis.length)}
+            if analysis.token_dims is not None:
+                # A constant length: another size may equal it by coincidence (heads x head size
+                # = 32 = the padded token count); only a dimension an attention reads its tokens
+                # from counts as a second sequence dimension.
+                sized &= analysis.token_dims.get(node, set())
+            if sized - {d.dim for d in result.sequence_dims}:
+                return NodeRole(Role.MIXING, (), (), "creates a second sequence dimension", partners=result.partners)
+    elif result.role is Role.MIXING and not result.rewrite and not result.sequence_dims:
+        # A sequence-mixing op runs on the full sequence, but its output (a cumsum of a mask, a
+        # gathered unpatchify's neighbour) may still be indexed by it: record where, so that
+        # token-local consumers take their chunk of it instead of broadcasting the full value.
+        created = sized_source(node, analysis)
+        if created.role is Role.SOURCE:
+            result.sequence_dims = created.sequence_dims
+    return result

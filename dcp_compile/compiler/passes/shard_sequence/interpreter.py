@@ -1,0 +1,543 @@
+"""The interpreter that re-traces a graph with every sharded node on the rank's chunk.
+
+It keeps each value in the layouts it has been asked for (``full`` and ``chunk``), converts
+between them (slice, all-gather, or a cheap replay on full inputs), runs token-local ops on
+chunks and hands attention and every ``Rewrite`` to the lowering registered for it
+(``lowerings.LOWERINGS``). Outputs come back full on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+
+from dcp_compile.compiler import collectives
+from dcp_compile.compiler.passes.context import PassContext
+from dcp_compile.compiler.passes.find_attention import SDPA
+from dcp_compile.compiler.passes.sequence_dims import VIEWS, GridRegion, Role, SequenceAnalysis, SequenceDim, expression
+from dcp_compile.compiler.passes.shard_sequence.lowerings import LOWERINGS, CannotShard, GatherRecord
+from dcp_compile.compiler.passes.shard_sequence.plan import ShardPlan
+from dcp_compile.compiler.sequence_chunks import chunk_start
+from dcp_compile.compiler.symbolic_sizes import SymbolicSizes, UnknownSymbol
+
+aten = torch.ops.aten
+log = logging.getLogger(__name__)
+SCALAR_READS = (aten.item.default, aten._local_scalar_dense.default)
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _row_major(value: torch.Tensor) -> bool:
+    """Contiguity read off the size and stride expressions: no SymInt arithmetic (which would
+    add nodes to, or guards on, the trace in progress)."""
+    expected = sympy.Integer(1)
+    for size, stride in reversed(list(zip(value.shape, value.stride()))):
+        size_expr, stride_expr = expression(size), expression(stride)
+        if size_expr == 1:
+            continue
+        if sympy.expand(stride_expr - expected) != 0:
+            return False
+        expected = expected * size_expr
+    return True
+
+
+def describe_node(n: fx.Node | None) -> str:
+    """A node as a user can find it: its op and the model line that produced it."""
+    if n is None:
+        return "the graph's inputs"
+    trace = (n.meta.get("stack_trace") or "").strip().splitlines()
+    where = next((line.strip() for line in reversed(trace) if line.strip().startswith("File")), "")
+    code = trace[-1].strip() if trace else ""
+    return f"{n.name} = {_op_label(n)}" + (f", {where}: {code}" if where else "")
+
+
+def _op_label(n: fx.Node) -> str:
+    return str(n.target).replace("aten.", "").replace(".default", "")
+
+
+REPLAY_LIMIT = 64  # ops replayed on full values for one gather avoided
+NOT_REPLAYED = {SDPA, aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default,
+                aten.addmm.default, aten.convolution.default, aten.conv2d.default, aten.conv3d.default,
+                aten.embedding.default}
+
+
+def _replay_order(node: fx.Node, full: dict, chunk: dict, limit: int) -> list[fx.Node] | None:
+    """The chunked ancestors of ``node`` to recompute on full values, in order; None when that
+    would replay a differentiable value, an expensive op, or more than ``limit`` ops."""
+    order: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+
+    def visit(n: fx.Node) -> bool:
+        if n in full or n in seen:
+            return True
+        seen.add(n)
+        value = n.meta.get("val")
+        if (n not in chunk or n.op != "call_function" or n.target in NOT_REPLAYED
+            or (isinstance(value, torch.Tensor) and value.requires_grad)
+                or (isinstance(value, (tuple, list)))):
+            return False
+        if not all(visit(source) for source in n.all_input_nodes):
+            return False
+        order.append(n)
+        return len(order) <= limit
+
+    return order if visit(node) else None
+
+
+# Ops that only select from their one tensor input or copy it (no arithmetic): a chain of them
+# ending at the graph's outputs is a returned selection of a value, e.g. a sliding-window K/V
+# cache. Reshapes are left out on purpose: one that splits the sequence (a DiT's unpatchify) stays
+# a recorded gather with its reason, the one gather a DiT's budget allows.
+OUTPUT_TAIL_OPS = frozenset({
+    aten.slice.Tensor, aten.narrow.default, aten.clone.default, aten.alias.default, aten.detach.default,
+    aten.contiguous.default,
+})
+
+
+# Selections along a dimension other than the sequence (a sample of the batch, a range of them).
+BATCH_SELECTIONS = frozenset({aten.select.int, aten.slice.Tensor, aten.narrow.default})
+
+
+def _output_tail(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes of :data:`OUTPUT_TAIL_OPS` whose every use is the output or another such node."""
+    tail: set[fx.Node] = set()
+    for node in reversed(gm.graph.nodes):
+        if (node.op == "call_function" and node.target in OUTPUT_TAIL_OPS and node.users
+            and all(user.op == "output" or user in tail for user in node.users)):
+            tail.add(node)
+    return tail
+
+
+class ShardingInterpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext, analysis: SequenceAnalysis, plan: ShardPlan):
+        super().__init__(gm)
+        self.ctx, self.analysis, self.plan = ctx, analysis, plan
+        self.sp_size, self.rank, self.group = ctx.sp_size, ctx.rank, ctx.group_name
+        self.full: dict[fx.Node, Any] = {}
+        self.chunk: dict[fx.Node, Any] = {}
+        self.length: Any = None  # SymInt of the full sequence length, once seen
+        self.gathers: list[GatherRecord] = []
+        self.rewrites: list[str] = []
+        self.output_gathers = 0  # outputs gathered outside autograd (no backward collective)
+        self.symbolic = SymbolicSizes()
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        self.scalar_values = {placeholders[i]: value for i, value in ctx.scalar_values.items()}
+        self.local_fallbacks: list[str] = []  # sharded ops run on gathered inputs instead
+        self.output_tail = _output_tail(gm)
+        self.unsummed: set[fx.Node] = set()  # full values whose gradient reaches chunks unsummed
+        self.replayed = 0
+        self.current: fx.Node | None = None  # chunked ops also replayed on full values instead of a gather
+        self.sharded_sites: list[str] = []
+        self.rank_local_sites: list[str] = []
+        self.replicated_sites: list[str] = []
+        self.unsharded_sites: list[tuple[str, str]] = []
+        self.grid_windows: dict[fx.Node, Any] = {}  # grid entry -> outermost steps in this rank's window
+
+    # --- layout conversions --------------------------------------------------------------
+
+    def _learn_length(self, value: torch.Tensor, seq: SequenceDim) -> None:
+        if self.length is None and seq.plain and expression(value.shape[seq.dim]) == self.analysis.length:
+            self.length = value.shape[seq.dim]
+        elif self.length is None and seq.joint:
+            self.length = value.shape[seq.dim] - self.segments(seq)[0] - self.segments(seq)[1]
+
+    def segments(self, seq: SequenceDim) -> tuple[Any, Any]:
+        """The replicated segments around the chunk of a joint dimension, as ints or SymInts."""
+        return self.symbolic.evaluate(seq.before), self.symbolic.evaluate(seq.after)
+
+    def seq_of(self, node: fx.Node, index: int | None = None) -> SequenceDim:
+        dims = self.analysis.dims_of(node, index)
+        if len(dims) != 1:
+            raise CannotShard(f"{node.name} has {len(dims)} sequence dimensions")
+        return dims[0]
+
+    def narrow(self, value: torch.Tensor, seq: SequenceDim) -> torch.Tensor:
+        self._learn_length(value, seq)
+        if self.length is None:
+            raise CannotShard("the sequence length is only available in flattened form")
+        if seq.plain:
+            return collectives.narrow_to_chunk(value, seq.dim, self.length, self.sp_size, self.rank)
+        if seq.joint:
+            before, after = self.segments(seq)
+            middle = value.narrow(seq.dim, before, self.length)
+            return torch.cat([value.narrow(seq.dim, 0, before),
+                              collectives.narrow_to_chunk(middle, seq.dim, self.length, self.sp_size, self.rank),
+                              value.narrow(seq.dim, before + self.length, after)], seq.dim)
+        outer, inner = self._factors(seq)
+        shape = value.shape
+        split = value.reshape(*shape[: seq.dim], outer, self.length, inner, *shape[seq.dim + 1 :])
+        local = collectives.narrow_to_chunk(split, seq.dim + 1, self.length, self.sp_size, self.rank)
+        return local.flatten(seq.dim, seq.dim + 2)
+
+    def _factors(self, seq: SequenceDim) -> tuple[Any, Any]:
+        """``outer`` and ``inner`` of a flattened sequence dimension (``[B*S, V]`` logits with a
+        symbolic batch B), as ints or as SymInts of this trace."""
+        return self.symbolic.evaluate(seq.outer), self.symbolic.evaluate(seq.inner)
+
+    def gather(self, value: torch.Tensor, seq: SequenceDim) -> torch.Tensor:
+        if self.length is None:
+            raise CannotShard("a chunk must be gathered before the full length is known")
+        if seq.plain:
+            return collectives.gather_sequence(value, seq.dim, self.length, self.sp_size, self.group)
+        if seq.joint:
+            before, after = self.segments(seq)
+            local = value.shape[seq.dim] - before - after
+            middle = collectives.gather_sequence(value.narrow(seq.dim, before, local), seq.dim, self.length,
+                                                 self.sp_size, self.group)
+            return torch.cat([value.narrow(seq.dim, 0, before), middle,
+                              value.narrow(seq.dim, before + local, after)], seq.dim)
+        outer, inner = self._factors(seq)
+        shape = value.shape
+        split = value.reshape(*shape[: seq.dim], outer, -1, inner, *shape[seq.dim + 1 :])
+        full = collectives.gather_sequence(split, seq.dim + 1, self.length, self.sp_size, self.group)
+        return full.flatten(seq.dim, seq.dim + 2)
+
+    def as_chunk(self, node: Any) -> Any:
+        if not isinstance(node, fx.Node):
+            return node
+        if node in self.chunk:
+            return self.chunk[node]
+        value = self.full[node]
+        if isinstance(value, (tuple, list)):
+            chunked = type(value)(
+                self.narrow(v, self.seq_of(node, i)) if _is_tensor(v) and self.analysis.dims_of(node, i) else v
+                for i, v in enumerate(value)
+            )
+        else:
+            chunked = self.narrow(value, self.seq_of(node))
+        self.chunk[node] = chunked
+        return chunked
+
+    def as_full(self, node: Any, reason: str = "", consumer: fx.Node | None = None) -> Any:
+        if not isinstance(node, fx.Node):
+            return node
+        if node in self.full:
+            return self.full[node]
+        role = self.analysis.roles.get(node)
+        if role is not None and (role.token_order is not None or role.role is Role.TOKEN_SET):
+            raise CannotShard(f"{node.name} holds this rank's tokens permuted locally (or counts of them); "
+                              "gathering it would interleave the ranks' orders")
+        replayed = self._replay_full(node)
+        if replayed is not None:
+            return replayed
+        selected = self._selected_from_full_source(node, reason, consumer)
+        if selected is not None:
+            return selected
+        value = self.chunk[node]
+        if consumer is not None and consumer in self.output_tail and _is_tensor(value) and self.sp_size > 1:
+            seq = self.seq_of(node)
+            if seq.plain:
+                return self._gathered_for_output(node, value, seq, consumer)
+        if isinstance(value, (tuple, list)):
+            gathered = type(value)(
+                self.gather(v, self.seq_of(node, i)) if _is_tensor(v) and self.analysis.dims_of(node, i) else v
+                for i, v in enumerate(value)
+            )
+        else:
+            gathered = self.gather(value, self.seq_of(node))
+        self.full[node] = gathered
+        if consumer is not None:
+            record = GatherRecord(node.name, consumer.name, reason or self.analysis.roles[consumer].reason)
+            self.gathers.append(record)
+            log.info("dcp: %s", record)
+        return gathered
+
+    def _selected_from_full_source(self, node: fx.Node, reason: str, consumer: fx.Node | None) -> Any:
+        """A selection across the batch (``hidden[i]``) of a chunked value, in full, from one gather.
+
+        A model that unpatchifies each sample on its own (``hidden[i][text:]`` per ``i``) would
+        otherwise gather every sample's selection separately: the same bytes in B collectives.
+        When the source has two or more such selections, or is gathered already, it is gathered
+        once and each selection is taken from it.
+        """
+        if node.op != "call_function" or node.target not in BATCH_SELECTIONS:
+            return None
+        source = node.args[0]
+        if not isinstance(source, fx.Node) or source not in self.chunk or not _is_tensor(self.chunk[source]):
+            return None
+        seq = self.seq_of(source)
+        rank = self.chunk[source].dim()
+        dim = node.args[1] % rank
+        if not seq.plain or dim == seq.dim:
+            return None
+        # Selections whose own consumers run on full values (they will be gathered too).
+        siblings = [user for user in source.users if user.op == "call_function" and user.target in BATCH_SELECTIONS
+                    and user.args[1] % rank == dim and any(c not in self.plan.sharded_nodes for c in user.users)]
+        if source not in self.full and len(siblings) < 2:
+            return None
+        full = self.as_full(source, reason, consumer)
+        args = fx.map_arg(node.args[1:], self.as_full)
+        kwargs = fx.map_arg(node.kwargs, self.as_full)
+        self.full[node] = self.call_function(node.target, (full, *args), kwargs)
+        return self.full[node]
+
+    def _gathered_for_output(self, node: fx.Node, local: torch.Tensor, seq: SequenceDim, consumer: fx.Node) -> Any:
+        """``node`` in full for a consumer whose result is only reshaped into graph outputs.
+
+        A sliding-window K/V cache keeps ``keys[:, :, -window:]`` of each layer and returns it:
+        a slice along the sequence, so it needs the full keys, but only to hand them back, like
+        a returned full cache. It is gathered the way an output is (outside autograd, its
+        gradient handed to this rank's chunk without a sum over ranks) and counted as an output
+        gather, not as a gather the computation needs. Not cached: a computing consumer of the
+        same value gets its own, summed gather.
+        """
+        full = self.gather(local.detach(), seq)
+        self.output_gathers += 1
+        self.unsummed.add(consumer)
+        if not local.requires_grad:
+            return full
+        return collectives.replicated_output(full, local, seq.dim, chunk_start(self.length, self.sp_size, self.rank))
+
+    def _is_unsummed(self, node: fx.Node) -> bool:
+        while node in self.output_tail:
+            if node in self.unsummed:
+                return True
+            node = node.args[0]
+        return False
+
+    def _replay_full(self, node: fx.Node) -> Any:
+        """The full value of a chunked ``node``, recomputed from full values instead of gathered.
+
+        Position ids, masks and cache positions are cheap functions of full inputs that the
+        sharded region also reads in chunks; a sequence-mixing consumer (a ``diff`` of position
+        ids, a mask built from them) then gets them by replaying the few ops on the full inputs,
+        which costs no collective. Only values that need no gradient are replayed: a replicated
+        copy of a differentiable value would count its gradient once per rank.
+        """
+        order = _replay_order(node, self.full, self.chunk, REPLAY_LIMIT)
+        if order is None:
+            return None
+        for n in order:
+            args = fx.map_arg(n.args, lambda a: self.full[a])
+            kwargs = fx.map_arg(n.kwargs, lambda a: self.full[a])
+            self.full[n] = getattr(self, n.op)(n.target, args, kwargs)
+        self.replayed += len(order)
+        return self.full[node]
+
+    def _is_parameter(self, n: fx.Node) -> bool:
+        index = [p for p in self.module.graph.nodes if p.op == "placeholder"].index(n)
+        return index in self.ctx.analysis.parameter_indices
+
+    # --- nodes ---------------------------------------------------------------------------
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n
+        with self._set_current_node(n):
+            if n.op in ("placeholder", "get_attr"):
+                value = super().run_node(n)
+                if n.op == "placeholder":
+                    self.symbolic.learn(value)
+                if (n.op == "placeholder" and _is_tensor(value) and value.requires_grad
+                    and self.sp_size > 1 and not self._is_parameter(n)):
+                    value = collectives.replicated_input(value, self.group)
+                self.full[n] = value
+                role = self.analysis.roles.get(n)
+                if role is not None and role.role is Role.SOURCE and _is_tensor(value):
+                    self._learn_length(value, role.sequence_dims[0])
+                return value
+            if n.op == "output":
+                return self._output(n)
+            if n in self.analysis.region_members and n in self.plan.sharded_nodes:
+                return None  # runs on the rank's heads when its region's output is reached
+            if n in self.plan.sharded_nodes:
+                try:
+                    value = self._run_sharded(n)
+                except (CannotShard, UnknownSymbol) as why:
+                    # No rule fits this op on chunks: gather its inputs, run it full, and let its
+                    # consumers take their chunks of the result. The rest stays sharded.
+                    self.local_fallbacks.append(f"{n.name} ({_op_label(n)}): {why}")
+                    log.info("dcp: %s runs on gathered inputs: %s", n.name, why)
+                    value = self.run_full(n, reason=f"no chunked form: {why}")
+                    self.full[n] = value
+                    return value
+                role = self.analysis.roles[n]
+                if role.rewrite and not role.sequence_dims and not any(role.element_dims or ()):
+                    self.full[n] = value  # a rewrite reduces over the sequence: its result is full
+                else:
+                    self.chunk[n] = value
+                return value
+            region = self.analysis.grid_members.get(n)
+            if region is not None and region.entry in self.grid_windows:
+                value = self._run_in_grid_window(n, region)
+            else:
+                value = self.run_full(n)
+            self.full[n] = value
+            self.symbolic.learn_created(n.meta.get("val"), value)
+            role = self.analysis.roles.get(n)
+            if role is not None and role.role is Role.SOURCE and _is_tensor(value):
+                self._learn_length(value, role.sequence_dims[0])
+            return value
+
+    def run_full(self, n: fx.Node, reason: str = "") -> Any:
+        if n.op == "call_function" and n.target is aten.sym_size.int:
+            return self._sym_size(n)
+        if (n.op == "call_function" and n.target is operator.getitem and n.args[0] in self.chunk
+            and not self.analysis.dims_of(n.args[0], n.args[1])):
+            return self.chunk[n.args[0]][n.args[1]]  # an element that is whole on every rank
+        if n.op == "call_function" and n.target in SCALAR_READS and n.args[0] in self.scalar_values:
+            return self.scalar_values[n.args[0]]
+        if self.sp_size > 1 and n.op == "call_function" and (n.target is SDPA or n in self.analysis.regions):
+            query = self.analysis.regions[n].query if n in self.analysis.regions else n.args[0]
+            if not self.analysis.dims_of(query) and expression(query.meta["val"].shape[-2]) != self.analysis.length:
+                # Over another, unsharded sequence (a text encoder's tokens, an audio stream):
+                # every rank computes it whole, as eager does; nothing to shard.
+                self.replicated_sites.append(n.name)
+            else:
+                role = self.analysis.roles.get(n)
+                self.unsharded_sites.append((n.name, role.reason if role is not None and role.reason else
+                                             "its region holds no sequence-sharded value"))
+        args = fx.map_arg(n.args, lambda a: self.as_full(a, reason, consumer=n))
+        kwargs = fx.map_arg(n.kwargs, lambda a: self.as_full(a, reason, consumer=n))
+        target = n.target
+        if target in (aten.view.default, aten._unsafe_view.default):
+            target = aten.reshape.default  # a gathered value need not be viewable where the original was
+        return getattr(self, n.op)(target, args, kwargs)
+
+    def _sym_size(self, n: fx.Node) -> Any:
+        source, dim = n.args
+        if source in self.full:
+            return self.full[source].size(dim)
+        seq = self.seq_of(source)
+        if dim % self.chunk[source].dim() != seq.dim:
+            return self.chunk[source].size(dim)
+        if seq.joint:
+            before, after = self.segments(seq)
+            return before + self.length + after
+        outer, inner = self._factors(seq)
+        return self.length * outer * inner
+
+    def _run_sharded(self, n: fx.Node) -> Any:
+        role = self.analysis.roles[n]
+        aligned = set(role.aligned_inputs)
+        if role.role is Role.ATTENTION:
+            return LOWERINGS[Role.ATTENTION](self, n)
+        if role.rewrite is not None:
+            return LOWERINGS[role.rewrite](self, n)
+        args = fx.map_arg(n.args, lambda a: self.as_chunk(a) if a in aligned else self.as_full(a, consumer=n))
+        kwargs = fx.map_arg(n.kwargs, lambda a: self.as_chunk(a) if a in aligned else self.as_full(a, consumer=n))
+        target = n.target
+        if target is SDPA:
+            self.rank_local_sites.append(n.name)  # attention over a dimension this rank holds whole
+        if target in VIEWS or target is aten.expand.default:
+            args = self._local_sizes(n, args)
+            if target in (aten.view.default, aten._unsafe_view.default):
+                target = aten.reshape.default  # a chunk may not be viewable where the full value was
+        elif target in (aten.slice.Tensor, aten.narrow.default):
+            source_seq = self.seq_of(n.args[0])
+            dim = args[1] % args[0].dim()
+            if dim == source_seq.dim:  # a slice that keeps the whole sequence
+                return args[0]
+        return getattr(self, n.op)(target, args, kwargs)
+
+    def _local_sizes(self, n: fx.Node, args: tuple) -> tuple:
+        """Replace the sequence entry of a size list by -1; a view then fits any chunk."""
+        target = n.target
+        if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
+            sizes, offset = list(args[1]), 0
+        elif target is aten.unflatten.int:
+            sizes, offset = list(args[2]), args[1] % (args[0].dim())
+        elif target in (aten.view_as.default, aten.reshape_as.default):
+            # The full-size template is not this rank's shape: reshape to the output's own sizes.
+            sizes = self._output_sizes(n)
+            return (args[0], sizes)
+        else:
+            return args
+        out_dim = self.seq_of(n).dim - offset
+        if not 0 <= out_dim < len(sizes):
+            return args
+        static = n.meta["val"].shape
+        for index, size in enumerate(sizes):
+            if index != out_dim and isinstance(size, int) and size == -1 and target is not aten.expand.default:
+                # A second inferred size (``ids.view(-1, S)`` with a symbolic batch): spell it out.
+                sizes[index] = self.symbolic.evaluate(expression(static[index + offset]))
+        sizes[out_dim] = -1
+        if target is aten.unflatten.int:
+            return (args[0], args[1], sizes, *args[3:])
+        return (args[0], sizes, *args[2:])
+
+    def _output_sizes(self, n: fx.Node) -> list[Any]:
+        """The output's sizes on this rank: the traced sizes, -1 at the sequence dimension."""
+        seq = self.seq_of(n)
+        sizes = [self.symbolic.evaluate(expression(size)) for size in n.meta["val"].shape]
+        sizes[seq.dim] = -1
+        return sizes
+
+    # --- grid windows (see sequence_dims/grid_rules and grid_windows) --------------------------
+
+    def window_arguments(self, region: GridRegion) -> tuple:
+        return (self.length, self.symbolic.evaluate(region.unit), region.radius, self.sp_size, self.rank)
+
+    def window_sizes(self, n: fx.Node, region: GridRegion, tokens_dim: int | None = None) -> list[Any]:
+        """``n``'s sizes on this rank's window: the traced sizes, with the outermost grid steps
+        (or, at an exit, the tokens) of the window instead of the whole grid's."""
+        sizes = [self.symbolic.evaluate(expression(size)) for size in n.meta["val"].shape]
+        units = self.grid_windows[region.entry]
+        if tokens_dim is not None:
+            sizes[tokens_dim] = units * self.symbolic.evaluate(region.unit)
+        else:
+            grid_dim = region.grid_dims[n]
+            sizes[grid_dim.dim] = (self.symbolic.evaluate(grid_dim.outer) * units
+                                   * self.symbolic.evaluate(grid_dim.inner))
+        return sizes
+
+    def _run_in_grid_window(self, n: fx.Node, region: GridRegion) -> Any:
+        if n.target is aten.sym_size.int:
+            return self.symbolic.evaluate(expression(n.meta["val"]))  # the whole grid's size, as traced
+        args = fx.map_arg(n.args, self.as_full)
+        kwargs = fx.map_arg(n.kwargs, self.as_full)
+        target = n.target
+        if target in VIEWS:
+            return args[0].reshape(self.window_sizes(n, region))
+        if target is aten.expand.default:
+            return args[0].expand(self.window_sizes(n, region))
+        return getattr(self, n.op)(target, args, kwargs)
+
+    # --- outputs ---------------------------------------------------------------------------
+
+    def _output(self, n: fx.Node) -> Any:
+        scale = 1.0 / self.sp_size
+
+        def finish(node: Any) -> Any:
+            if not isinstance(node, fx.Node):
+                return node
+            if node in self.full:
+                value = self.full[node]
+                if _is_tensor(value) and value.requires_grad and self.sp_size > 1 and not self._is_unsummed(node):
+                    return collectives.scale_gradient(value, scale)
+                return value
+            local = self.chunk[node]
+            if isinstance(local, (tuple, list)):
+                gathered = self.as_full(node, "a tuple-valued graph output is returned in full", n)
+                return type(gathered)(collectives.scale_gradient(v, scale) if _is_tensor(v) and v.requires_grad else v
+                                      for v in gathered)
+            seq = self.seq_of(node)
+            if not local.requires_grad:
+                return self.as_full(node)
+            if not seq.plain:
+                return collectives.scale_gradient(self.as_full(node), scale)
+            # The gather itself stays out of autograd: its gradient reaches ``local`` through
+            # replicated_output, so backward issues no collective for it on any rank.
+            full = self.gather(local.detach(), seq)
+            self.output_gathers += 1
+            start = chunk_start(self.length, self.sp_size, self.rank)
+            return collectives.replicated_output(full, local, seq.dim, start)
+
+        def with_traced_layout(node: Any) -> Any:
+            """Outputs keep the memory layout eager gives them: code after a graph break may
+            ``view`` them, which a gathered or re-concatenated value's strides would refuse."""
+            value = finish(node)
+            traced = node.meta.get("val") if isinstance(node, fx.Node) else None
+            if _is_tensor(value) and _is_tensor(traced) and _row_major(traced) and not _row_major(value):
+                return value.contiguous()
+            return value
+
+        return fx.map_arg(n.args[0], with_traced_layout)
+
+

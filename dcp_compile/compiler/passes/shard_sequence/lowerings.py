@@ -1,0 +1,46 @@
+"""The lowering registry: one function per ``Rewrite`` (and one for ``Role.ATTENTION``).
+
+A lowering is ``(sharding, node) -> value``: it runs ``node`` on the rank's chunks in the
+re-trace ``sharding`` (a ``ShardingInterpreter``) is making. Each is registered with
+``@lowering(Rewrite.X)`` next to the others of its layout family, so ``grep -rn Rewrite.X``
+lands on the rule that decides the rewrite and on the code that carries it out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+import torch.fx as fx
+
+from dcp_compile.compiler.passes.sequence_dims import Rewrite, Role
+
+LoweringKey = Union[Rewrite, Role]
+Lowering = Callable[[Any, fx.Node], Any]  # (ShardingInterpreter, node) -> the node's value on this rank
+LOWERINGS: dict[LoweringKey, Lowering] = {}
+
+
+class CannotShard(Exception):
+    """The graph uses a pattern the sharding pass does not handle; it will run unsharded."""
+
+
+@dataclass
+class GatherRecord:
+    node: str
+    op: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"all-gather of {self.node} before {self.op}: {self.reason}"
+
+
+def lowering(key: LoweringKey) -> Callable[[Lowering], Lowering]:
+    """Register ``function`` as the lowering of ``key``."""
+
+    def register(function: Lowering) -> Lowering:
+        if key in LOWERINGS:
+            raise ValueError(f"two lowerings registered for {key!r}: {LOWERINGS[key].__name__} and {function.__name__}")
+        LOWERINGS[key] = function
+        return function
+
+    return register

@@ -1,0 +1,62 @@
+"""``dcp.sharding_summary(record)``: the line a training script prints once after warm-up.
+
+Why: a run that trains and converges says nothing about whether DCP sharded anything (an
+unsharded graph is exact too), how much it gathered, or why the model became several graphs.
+This answers those three in a few lines from the records (``dcp.recording()`` around a step, or
+``dcp.explain``), without running anything.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from dcp_compile.compiler.record import ModelRecord
+
+
+def graph_break_reasons(limit: int = 3) -> list[str]:
+    """Dynamo's graph-break reasons in this process, most frequent first (``reason xN``)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return []
+    reasons = collections.Counter({str(reason).splitlines()[0][:140]: count
+                                   for reason, count in counters["graph_break"].items()})
+    return [f"{reason} x{count}" for reason, count in reasons.most_common(limit)]
+
+
+def sharding_summary(record: ModelRecord) -> str:
+    """Graphs (and why several), attention sites sharded in the SP>1 variants, gathers with reasons."""
+    graphs = list(record.graphs)
+    with_attention = [graph for graph in graphs if graph.attention_sites]
+    variants = [v for graph in graphs for v in graph.variants.values() if v.sp_size > 1 and v.attention_sites]
+    lines = [f"dcp: {len(graphs)} graph(s) ran, {len(with_attention)} with attention"]
+    breaks = graph_break_reasons()
+    if len(graphs) > 1:
+        specialised = sum(1 for graph in graphs if graph.specialization)
+        why = []
+        if breaks:
+            why.append("dynamo graph breaks: " + "; ".join(breaks))
+        if specialised:
+            why.append(f"{specialised} compiled for integer inputs of 0 or 1")
+        why.append("each FSDP2-wrapped module (its hooks) and each graph break starts a new graph; "
+                   "a graph that repeats (one per layer) is compiled once")
+        lines.append("  why several graphs: " + " | ".join(why))
+    if not variants:
+        lines.append("  no SP>1 variant with attention has run yet (every micro-batch so far ran at SP 1)")
+        return "\n".join(lines)
+    total = sum(v.attention_sites for v in variants)
+    covered = sum(len(v.sharded_sites) + len(v.rank_local_sites) + len(v.replicated_sites) for v in variants)
+    all_to_all = sum(len(v.sharded_sites) for v in variants)
+    gathers = collections.Counter()
+    for variant in variants:
+        gathers.update(variant.gather_reasons())
+    sizes = sorted({v.sp_size for v in variants})
+    line = (f"  SP {', '.join(map(str, sizes))}: attention sites sharded {covered}/{total} "
+            f"({all_to_all} under the all-to-all) over {len(variants)} graph variant(s) | gathers {sum(gathers.values())}")
+    if gathers:
+        line += " [" + "; ".join(f"{reason} x{count}" for reason, count in gathers.most_common()) + "]"
+    lines.append(line)
+    for variant in variants:
+        if not variant.is_sharded:
+            lines.append(f"  NOT SHARDED: {variant.summary()}")
+    return "\n".join(lines)
