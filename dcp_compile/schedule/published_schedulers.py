@@ -24,6 +24,10 @@ and ``videosys/core/dcp/profiler.py``, late 2024; see ``/work/shared/reference/p
 
 Every baseline plans with whole-block checkpointing as published (``CostModel.collectives_recomputed``:
 a checkpointed block keeps only its input at any SP size and re-sends its all-to-alls in backward).
+With ``released_sp=True`` a micro-batch is priced as the released SP computes it (VideoSys 09ad75e,
+:mod:`.published_sp`: spatial shards, padded all-to-all switches, images over the batch); the
+calibration against the published figures uses it, the iso-batch comparisons price every
+scheduler's SP as our compiler's Ulysses SP.
 
 Adaptations, all in the baselines' favour or neutral:
 
