@@ -135,9 +135,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def rotate_half(x: Tensor) -> Tensor:
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)  # the form every model here traced with (a later copy replaced the slicing one)
+    return torch.cat([-x2, x1], dim=-1)
 
 
 def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -504,11 +503,6 @@ class JointAttentionBlock(nn.Module):
         image = image + self.image_out(image_attn)
         text = text + self.text_out(text_attn)
         return image + self.image_mlp(image), text + self.text_mlp(text)
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
 
 
 class JointDiTModel(nn.Module):
