@@ -4,7 +4,8 @@ Each run is a subprocess (``python -m torch.distributed.run --standalone --nproc
 fresh directory, so the script writes its own dataset there. It must exit 0 and print, per step,
 the tokens/s and the plan (SP groups, micro-batches per rank, recompute), with plans that mix SP
 sizes; the causal LM is then resumed from its checkpoint with ``--resume`` and must continue at the
-next step. No GPU is used (``CUDA_VISIBLE_DEVICES=""``: the scripts pick gloo). Both run in the
+next step; so is the Accelerate video DiT (``save_state`` / ``load_state``). Each prints the sharding
+summary once (every attention site of the SP-2 variants sharded). No GPU is used (``CUDA_VISIBLE_DEVICES=""``: the scripts pick gloo). Both run in the
 quick tier (about 2 and 1 minutes on 2 CPU cores, mostly compiling the SP variants) so that CI
 runs them on every change: marked slow, the time budget skipped the second one.
 """
@@ -22,6 +23,17 @@ from pathlib import Path
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 STEP_LINE = re.compile(r"^step (\d+): \d+ tokens, [\d,]+ tokens/s, loss [\d.]+ \| plan: (.*) \| "
                        r"micro-batches per rank \[\d+, \d+\] \| recompute \w+", re.M)
+# printed once after the first step (dcp.sharding_summary): graphs, sharded attention, gathers
+SUMMARY = re.compile(r"^dcp: \d+ graph\(s\) ran, \d+ with attention\n(  .*\n)*  SP 2: attention sites sharded "
+                     r"(\d+)/(\d+) .*\| gathers \d+", re.M)
+
+
+def sharding_summary(output: str) -> tuple[int, int]:
+    """(sites sharded, sites) from the summary line; the examples print it exactly once."""
+    assert output.count("graph(s) ran") == 1, output[-3000:]
+    match = SUMMARY.search(output)
+    assert match, f"no sharding summary with an SP 2 line:\n{output[-3000:]}"
+    return int(match.group(2)), int(match.group(3))
 
 
 def run_example(script: str, directory: Path, *arguments: str, timeout: float = 900) -> str:
@@ -41,7 +53,10 @@ def trained_steps(output: str) -> dict[int, str]:
 
 
 def test_the_causal_lm_example_trains_shows_plans_and_resumes(tmp_path: Path) -> None:
-    first = trained_steps(run_example("train_causal_lm.py", tmp_path, "--steps", "2", "--checkpoint-every", "2"))
+    output = run_example("train_causal_lm.py", tmp_path, "--steps", "2", "--checkpoint-every", "2")
+    first = trained_steps(output)
+    sharded, sites = sharding_summary(output)
+    assert sharded == sites > 0, (sharded, sites)
     assert sorted(first) == [1, 2], first
     assert any("sp2" in groups and "sp1" in groups for groups in first.values()), first
     assert (tmp_path / "example_data" / "texts.jsonl").is_file()
@@ -52,7 +67,10 @@ def test_the_causal_lm_example_trains_shows_plans_and_resumes(tmp_path: Path) ->
 
 
 def test_the_video_dit_example_trains_on_mixed_resolutions_and_shows_plans(tmp_path: Path) -> None:
-    steps = trained_steps(run_example("train_video_dit.py", tmp_path, "--steps", "3", "--checkpoint-every", "3"))
+    output = run_example("train_video_dit.py", tmp_path, "--steps", "3", "--checkpoint-every", "3")
+    steps = trained_steps(output)
+    sharded, sites = sharding_summary(output)
+    assert sharded == sites > 0, (sharded, sites)
     assert sorted(steps) == [1, 2, 3], steps
     assert any("sp2" in groups for groups in steps.values()), steps
     latents = tmp_path / "example_data" / "video_latents"
@@ -61,3 +79,16 @@ def test_the_video_dit_example_trains_on_mixed_resolutions_and_shows_plans(tmp_p
     assert len({shape[1] for shape in shapes}) > 1 and len({shape[2:] for shape in shapes}) > 1, "frames and sizes mix"
     assert len(list(latents.glob("clip_*.pt"))) == len(manifest), "one .pt file per clip"
     assert (tmp_path / "checkpoints" / "video_dit" / "step_000000003" / ".metadata").is_file()
+
+
+def test_the_accelerate_video_dit_example_trains_resumes_and_prints_the_sharding_summary(tmp_path: Path) -> None:
+    output = run_example("train_video_dit_accelerate.py", tmp_path, "--steps", "2", "--checkpoint-every", "2")
+    assert sorted(trained_steps(output)) == [1, 2], output[-3000:]
+    assert any("sp2" in groups for groups in trained_steps(output).values())
+    sharded, sites = sharding_summary(output)
+    assert sharded == sites > 0, (sharded, sites)
+    checkpoint = tmp_path / "checkpoints" / "video_dit_accelerate" / "checkpoint-2"
+    assert (checkpoint / "complete").is_file() and (checkpoint / "custom_checkpoint_0.pkl").is_file()
+
+    resumed = trained_steps(run_example("train_video_dit_accelerate.py", tmp_path, "--steps", "3", "--resume"))
+    assert sorted(resumed) == [3], f"--resume should continue at step 3, ran {sorted(resumed)}"
