@@ -33,6 +33,13 @@ def run_kernel_benchmarks(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["inspect"]:
+        # Its own parser (dcp_compile.report.cli), so that `inspect --help` lists its options; as a
+        # subparser with a REMAINDER argument, --help showed only `rest`.
+        from dcp_compile.report.cli import main as inspect_main
+
+        return inspect_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m dcp_compile", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a small GPT on variable-length data with backend='dcp'")
@@ -44,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("what", choices=["kernels"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     inspect = commands.add_parser("inspect", help="write an HTML report of what DCP does to a model (fake process group)")
-    inspect.add_argument("rest", nargs=argparse.REMAINDER, help="SCRIPT.py:FACTORY [--sp 2] [--out dcp_report.html]")
+    inspect.add_argument("rest", nargs=argparse.REMAINDER,
+                         help="SCRIPT.py:FACTORY [--sp 2] [--out dcp_report.html] (`inspect --help` for all options)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from dcp_compile.demo.training_demo import run_demo

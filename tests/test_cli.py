@@ -39,3 +39,13 @@ def test_importing_the_package_warns_nothing():
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stderr == "", run.stderr
+
+
+def test_inspect_help_lists_its_options():
+    # As a subparser with a REMAINDER argument, `inspect --help` listed only `rest`.
+    run = subprocess.run([sys.executable, "-m", "dcp_compile", "inspect", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    for option in ("target", "--sp", "--out", "--inner"):
+        assert option in run.stdout, run.stdout
+    assert " rest" not in run.stdout, run.stdout
