@@ -153,6 +153,24 @@ def test_module_paths_are_spelled_as_the_user_writes_them():
     assert clean_module_path("L['self']._modules['layers']._modules['0'].mlp") == "layers.0.mlp"
     assert clean_module_path("L['self'].blocks[3]") == "blocks.3"
     assert clean_module_path("L['self']") == ""
+    # a Hugging Face forward behind a *args decorator: self is args[0], the tree's root
+    assert clean_module_path("L['args'][0].model.layers.0.self_attn") == "model.layers.0.self_attn"
+
+
+def test_a_module_reached_through_a_global_does_not_root_the_tree():
+    # transformers 5 wraps apply_rotary_pos_emb as a hub kernel module that Dynamo finds through a
+    # module global: its ops stay under the attention that called it, not a top-level "G[...]" group.
+    import torch.fx as fx
+
+    from dcp_compile.report.graph_view import module_path
+
+    node = fx.Graph().placeholder("x")
+    attention = type("LlamaAttention", (), {})
+    node.meta["nn_module_stack"] = {
+        "a": ("L['args'][0].model.layers.0.self_attn", attention),
+        "b": ("G['__import_transformers_dot_models_dot_llama_dot_modeling_llama'].apply_rotary_pos_emb", object),
+    }
+    assert module_path(node) == ("model.layers.0.self_attn", "LlamaAttention")
 
 
 def test_the_source_line_is_the_innermost_frame():

@@ -82,9 +82,13 @@ class ModuleView:
 def module_path(node: "fx.Node") -> tuple[str, str]:
     """(path, class name) of the innermost module that ran ``node``; ("", "") for the top level."""
     stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
+    # A module Dynamo reached through a module global (``G['__import_transformers_dot_...'].fn``: a
+    # Hugging Face hub kernel wrapping a function such as apply_rotary_pos_emb) is not in the
+    # user's module tree: its ops belong to the module that called it.
+    entries = [(path, module_type) for path, module_type in stack.values() if not str(path).startswith("G[")]
+    if not entries:
         return "", ""
-    path, module_type = list(stack.values())[-1]
+    path, module_type = entries[-1]
     type_name = getattr(module_type, "__name__", None) or str(module_type).rsplit(".", 1)[-1].strip("'>")
     return clean_module_path(str(path)), type_name
 
@@ -92,6 +96,9 @@ def module_path(node: "fx.Node") -> tuple[str, str]:
 def clean_module_path(path: str) -> str:
     """Dynamo's source spelling (``L['self'].layers._modules['0'].attn``) as the user writes it."""
     path = re.sub(r"^L\['self'\]\.?", "", path)
+    # A forward wrapped by a decorator taking ``*args`` (Hugging Face's can_return_tuple) gets
+    # ``self`` as its first positional argument: the root of the user's tree, not "args.0".
+    path = re.sub(r"^L\['args'\]\[0\]\.?", "", path)
     path = re.sub(r"^L\['(\w+)'\]\.?", r"\1.", path).rstrip(".")
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
     path = re.sub(r"_modules\['([^']+)'\]", r"\1", path)
