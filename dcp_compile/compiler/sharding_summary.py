@@ -56,7 +56,26 @@ def sharding_summary(record: ModelRecord) -> str:
     if gathers:
         line += " [" + "; ".join(f"{reason} x{count}" for reason, count in gathers.most_common()) + "]"
     lines.append(line)
+    lines.append("  " + collectives_line(variants))
     for variant in variants:
         if not variant.is_sharded:
             lines.append(f"  NOT SHARDED: {variant.summary()}")
     return "\n".join(lines)
+
+
+def collectives_line(variants: list) -> str:
+    """The collectives the SP>1 variants inserted, and what each kind is for: a count alone (9
+    all-to-alls for 2 attention sites) reads like a bug."""
+    counts: collections.Counter = collections.Counter()
+    for variant in variants:
+        counts.update(variant.collectives)
+    output_gathers = sum(getattr(v, "output_gathers", 0) for v in variants)
+    meaning = {
+        "all_to_all_single": "Ulysses around attention (4 per self-attention, 2 per cross-attention site)"
+                             + (f", {output_gathers} returning a sharded output in full" if output_gathers else ""),
+        "all_gather_into_tensor": "gathers before sequence-mixing ops, and replicated text over heads",
+        "all_reduce": "sums of shard-local reductions (the loss)",
+    }
+    parts = [f"{name} x{count}" + (f" ({meaning[name]})" if name in meaning else "")
+             for name, count in sorted(counts.items())]
+    return "collectives in these variants' graphs: " + ("; ".join(parts) if parts else "none")
