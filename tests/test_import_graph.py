@@ -136,3 +136,11 @@ def test_the_package_init_imports_every_rule_and_lowering_module():
     assert on_disk <= set(RULE_MODULES), on_disk - set(RULE_MODULES)
     on_disk = {m.rsplit(".", 1)[1] for m in MODULES if m.startswith(SHARD_SEQUENCE + ".") and m.endswith("_lowerings")}
     assert on_disk <= set(LOWERING_MODULES), on_disk - set(LOWERING_MODULES)
+
+
+@pytest.mark.parametrize("phase", ["planning_state", "levels", "placement", "local_search", "exact_search",
+                                   "plan_tables"])
+def test_the_planning_phases_read_the_tables_and_never_the_planner(phase: str):
+    """The planner drives the phases; a phase calling back into it would be a circle in disguise."""
+    source = MODULES[f"dcp_compile.schedule.{phase}"].read_text()
+    assert "from .planner import" not in source and "schedule.planner import" not in source

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 def exact_search(state: PlanState, node_budget: int) -> None:
     """Branch-and-bound over packings and blocks; replaces the plan if it finds a better one."""
-    planner = state.planner
+    planner = state.tables
     incumbent = max(state.loads)
     order = sorted(range(state.n), key=lambda i: (-state.lengths[i], i))
     sizes = planner.sizes

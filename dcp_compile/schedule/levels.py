@@ -10,17 +10,15 @@ its whole fixed cost.
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import TYPE_CHECKING
 
+from .plan_tables import PlanTables
 from .planning_state import EPSILON, PlanningError, PlanState
 
-if TYPE_CHECKING:
-    from .planner import Planner
 
 
 def choose_levels(state: PlanState) -> None:
     """Set ``state.level``, ``state.alone_time`` and ``state.average_load`` for every sequence."""
-    planner = state.planner
+    planner = state.tables
     fixed0, per_token0, per_key0 = planner.fixed[0][0], planner.per_token[0][0], planner.per_key[0][0]
     per_sequence0 = planner.per_sequence[0][0]
     base_capacity = planner.capacity[0][0]
@@ -48,7 +46,7 @@ def choose_levels(state: PlanState) -> None:
     _choose_tall_levels(state, work, times)
 
 
-def least_work_choice(planner: "Planner", length: int, key: float) -> tuple[int, float, float]:
+def least_work_choice(planner: PlanTables, length: int, key: float) -> tuple[int, float, float]:
     """(level, amortised rank-seconds, time alone) of the least-work level for one sequence.
 
     At a fixed policy, work grows with the SP size (more communication), so the only candidate
@@ -105,7 +103,7 @@ def _choose_tall_levels(state: PlanState, work: list[float], times: list[float])
         groups.setdefault((state.lengths[i], state.keys[i]), []).append(i)
     if not groups:
         return
-    sizes = state.planner.sizes
+    sizes = state.tables.sizes
     group_list = list(groups.values())
     # A tall sequence runs alone in its micro-batch: it pays the whole fixed cost, so its work
     # at a level is size x time (not the amortised figure used for short sequences).

@@ -46,7 +46,7 @@ def _affected_max(state: PlanState, src_level: int, src_block: int, removal: flo
 def local_search(state: PlanState, budget: int) -> None:
     """Move, consolidate or swap on the busiest rank while the makespan drops, for at most
     ``budget`` candidate evaluations (see the module docstring)."""
-    planner = state.planner
+    planner = state.tables
     evaluations = 0
     while evaluations < budget:
         maxima = state.block_maxima()
@@ -138,7 +138,7 @@ def _best_consolidation(state: PlanState, critical: int, threshold: float) -> tu
     """Pack everything under one of the busy rank's blocks into a single micro-batch on that
     block, when that beats ``threshold``. The move that wins when fixed per-micro-batch costs
     dominate: a few short sequences run faster together on 4 ranks than apart on 1 or 2."""
-    planner = state.planner
+    planner = state.tables
     best = None
     above = [0.0] * (planner.levels + 1)  # load from blocks strictly above each level
     for level in range(planner.levels - 1, -1, -1):
@@ -166,7 +166,7 @@ def _best_consolidation(state: PlanState, critical: int, threshold: float) -> tu
 
 
 def _consolidate(state: PlanState, level: int, k: int, _value: float) -> None:
-    planner = state.planner
+    planner = state.tables
     mbs = state.subtree_micro_batches(level, k)
     members = [i for mb in mbs for i in mb.members]
     for mb in mbs:
@@ -190,7 +190,7 @@ def _consolidate(state: PlanState, level: int, k: int, _value: float) -> None:
 def _find_swap(state: PlanState, critical: int, makespan: float, maxima: list[float], least: list[tuple[int, int]]):
     """Swap a sequence on the busiest rank with a shorter one on the least-loaded block of the
     same size, choosing the pair whose time difference best splits the gap."""
-    planner = state.planner
+    planner = state.tables
     evaluations = 0
     best = None
     best_value = makespan - max(1e-9 * makespan, EPSILON)
@@ -246,7 +246,7 @@ def _find_swap(state: PlanState, critical: int, makespan: float, maxima: list[fl
 def merge_micro_batches(state: PlanState) -> None:
     """Merge two micro-batches of one block when the merged one needs no slower recompute
     policy: it then saves one fixed per-micro-batch cost and costs nothing else."""
-    planner = state.planner
+    planner = state.tables
     for level in range(planner.levels):
         offset = planner.block_offset[level]
         capacity = planner.capacity[level]

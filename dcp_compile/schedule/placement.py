@@ -23,7 +23,7 @@ BIG_ITEM_FRACTION = 64  # sequences above average load / this are placed first, 
 
 def place(state: PlanState) -> None:
     """Place every sequence at its chosen level (``state.level``); see the module docstring."""
-    planner = state.planner
+    planner = state.tables
     times = state.alone_time
     order = sorted(range(state.n), key=times.__getitem__, reverse=True)  # stable: ties by index
     threshold = state.average_load / BIG_ITEM_FRACTION
@@ -45,7 +45,7 @@ def _place_on_level(state: PlanState, level: int, items: list[int]) -> None:
     the block's newest micro-batch and first fit over a few recent ones."""
     if not items:
         return
-    planner = state.planner
+    planner = state.tables
     size = planner.sizes[level]
     offset = planner.block_offset[level]
     lengths, keys = state.lengths, state.keys
@@ -100,7 +100,7 @@ def _place_by_block_maxima(state: PlanState, items: list[int]) -> None:
     """Each item to the least-loaded block of its level, by maximum rank load (a tree of block
     maxima: placing on a block raises it and every block inside it; the blocks around it take
     the larger of their halves), with one lazy heap per level."""
-    planner = state.planner
+    planner = state.tables
     levels = planner.levels
     offset = planner.block_offset
     counts = planner.blocks_per_level

@@ -6,22 +6,18 @@ micro-batches on each rank block and each rank's load. The phases (:mod:`.levels
 here: :meth:`PlanState.first_fit` (the one rule for where a sequence joins a block),
 :meth:`PlanState.add` and :meth:`PlanState.remove`.
 
-Blocks are numbered level by level: block ``planner.block_offset[level] + k`` is ranks
-``[k * size, (k + 1) * size)`` with ``size = planner.sizes[level]``.
+The state reads the planner's tables (:class:`~.plan_tables.PlanTables`: block numbering, time
+coefficients, capacities) and never the planner itself, which drives the phases.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dcp_compile.variant import RECOMPUTE_POLICIES
 
 from .plan import Schedule, ScheduledMicroBatch
+from .plan_tables import EPSILON, PlanTables
 
-if TYPE_CHECKING:
-    from .planner import Planner
 
-EPSILON = 1e-12
 PACKING_SCAN = 4  # micro-batches of a block tried when adding a sequence
 
 
@@ -51,15 +47,15 @@ class DraftMicroBatch:
 class PlanState:
     """Working state of one planning call."""
 
-    def __init__(self, planner: "Planner", lengths: list[int], keys: list[float]) -> None:
-        self.planner = planner
+    def __init__(self, tables: PlanTables, lengths: list[int], keys: list[float]) -> None:
+        self.tables = tables
         self.lengths = lengths
         self.keys = keys
         self.n = len(lengths)
         self.level = [0] * self.n
-        self.world = planner.world_size
+        self.world = tables.world_size
         self.loads = [0.0] * self.world
-        self.block_mbs: list[list[DraftMicroBatch]] = [[] for _ in range(planner.num_blocks)]
+        self.block_mbs: list[list[DraftMicroBatch]] = [[] for _ in range(tables.num_blocks)]
         self.seq_mb: list[DraftMicroBatch | None] = [None] * self.n
         self.alone_time: list[float] = []  # each sequence's time alone at its chosen level
         self.average_load = 0.0
@@ -72,7 +68,7 @@ class PlanState:
         signature = (self.lengths[i], self.keys[i])
         cached = self._options_cache.get(signature)
         if cached is None:
-            planner = self.planner
+            planner = self.tables
             length, key = signature
             cached = []
             for j in range(planner.levels):
@@ -94,13 +90,13 @@ class PlanState:
 
     # ------------------------------------------------------------------ blocks
     def block_ranks(self, level: int, block: int) -> range:
-        size = self.planner.sizes[level]
-        k = block - self.planner.block_offset[level]
+        size = self.tables.sizes[level]
+        k = block - self.tables.block_offset[level]
         return range(k * size, (k + 1) * size)
 
     def block_maxima(self) -> list[float]:
         """The maximum rank load of every block (a rank's load is its level-0 block's)."""
-        planner = self.planner
+        planner = self.tables
         maxima = [0.0] * planner.num_blocks
         maxima[: self.world] = self.loads
         for level in range(1, planner.levels):
@@ -114,7 +110,7 @@ class PlanState:
 
     def subtree_micro_batches(self, level: int, k: int, limit: int | None = None) -> list[DraftMicroBatch] | None:
         """Micro-batches on the block and every block inside it (None past ``limit`` of them)."""
-        planner = self.planner
+        planner = self.tables
         found: list[DraftMicroBatch] = []
         for down in range(level, -1, -1):
             width = 1 << (level - down)
@@ -134,7 +130,7 @@ class PlanState:
         micro-batches are the full ones, and bounding the scan keeps placement linear. Joining one
         wins over opening a new micro-batch only when it adds less time.
         """
-        planner = self.planner
+        planner = self.tables
         length = self.lengths[i]
         key = self.keys[i]
         capacity = planner.capacity[level]
@@ -174,7 +170,7 @@ class PlanState:
         if len(mb.members) == 1:
             return -mb.time, -1
         tokens = mb.tokens - self.lengths[i]
-        planner = self.planner
+        planner = self.tables
         q = planner.policy_for(mb.level, tokens)
         new_time = planner.micro_batch_time(mb.level, q, tokens, mb.keys - self.keys[i], len(mb.members) - 1)
         return new_time - mb.time, q
@@ -217,7 +213,7 @@ class PlanState:
 
     def packable(self, members_a: list[int], members_b: list[int]) -> bool:
         """May these two groups of sequences share a micro-batch (``pack_equal_lengths_only``)?"""
-        return self.planner.mixed_packing or self.lengths[members_a[0]] == self.lengths[members_b[0]]
+        return self.tables.mixed_packing or self.lengths[members_a[0]] == self.lengths[members_b[0]]
 
     def snapshot(self, *blocks: int):
         """What :meth:`restore` needs to undo changes to ``blocks``."""
@@ -240,7 +236,7 @@ class PlanState:
 
     # ------------------------------------------------------------------ output
     def to_schedule(self) -> Schedule:
-        planner = self.planner
+        planner = self.tables
         microbatches = []
         for level in range(planner.levels - 1, -1, -1):
             size = planner.sizes[level]
