@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# GPU check of the dcp kernels: the kernel benchmark, the packed-rows benchmark, then the kernel tests on CUDA
-# (figures first: they are what a short device lease is for).
+# GPU check: the profiled cost model held out (benchmarks/profile_blocks.py: a DiT and a GPT block stack at
+# real width), plans replayed on measured compute (benchmarks/replay.py, 8 and 32 ranks), then the kernel
+# benchmark, the packed-rows benchmark and the kernel tests on CUDA (figures first, most wanted first: they
+# are what a short device lease is for; about 10 minutes with the defaults).
 #
 # Usage (from anywhere):  bash benchmarks/gpu_check.sh
 # On an offline machine where `pip install -e .` cannot run, bring this checkout's
 # dcp_compile.egg-info along (it holds the entry point that makes backend="dcp" known): with the
 # checkout on PYTHONPATH, importlib.metadata finds it there.
 # Results go to $OUT when set (e.g. a device runner's output folder), else benchmarks/results/:
+#   profile_cuda_<gpu>.md/.json, replay_cuda_<gpu>.md/.json,
 #   kernels_nvidia_smi.txt, kernels_tests.log (with the 15 slowest tests),
 #   kernels_bench.log, kernels_<gpu>.csv, kernels_<gpu>.png
 #
@@ -15,14 +18,15 @@
 #                     | all (also the CPU/interpreter cases) | none
 #   GPU_CHECK_BENCH   quick (default) | full | none
 #   GPU_CHECK_TIMEOUT seconds per step (default 420); GPU_CHECK_TEST_TIMEOUT for the tests alone
-#   GPU_CHECK_PACKED  yes (default: benchmarks/packed_vs_padded.py on CUDA, packed_vs_padded_cuda.md/.csv) | no
+#   GPU_CHECK_PACKED  no (default) | yes (benchmarks/packed_vs_padded.py on CUDA, packed_vs_padded_cuda.md/.csv)
+#   GPU_CHECK_PROFILE yes (default: profile_blocks.py) | no;  GPU_CHECK_REPLAY yes (default: replay.py) | no
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-benchmarks/results}"
-TESTS="${GPU_CHECK_TESTS:-cuda}"
+TESTS="${GPU_CHECK_TESTS:-none}"
 BENCH="${GPU_CHECK_BENCH:-quick}"
-STEP_TIMEOUT="${GPU_CHECK_TIMEOUT:-420}"
+STEP_TIMEOUT="${GPU_CHECK_TIMEOUT:-240}"
 mkdir -p "$OUT_DIR"
 
 { nvidia-smi || echo "nvidia-smi unavailable"; } > "$OUT_DIR/kernels_nvidia_smi.txt" 2>&1
@@ -45,6 +49,19 @@ status=0
 # The tests must compile real kernels for CUDA tensors: never interpret here.
 unset TRITON_INTERPRET DCP_KERNELS
 
+run_step() {  # name, then the command: logged to $OUT_DIR/<name>.log, its exit code counted
+  local name=$1; shift
+  echo "== $name"
+  timeout "$STEP_TIMEOUT" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "$name exit code: $rc"
+  [ "$rc" -eq 0 ] || status=1
+}
+if python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  [ "${GPU_CHECK_PROFILE:-yes}" = "no" ] || run_step profile python benchmarks/profile_blocks.py --device cuda --repeats 5 --out-dir "$OUT_DIR"
+  [ "${GPU_CHECK_REPLAY:-yes}" = "no" ] || run_step replay python benchmarks/replay.py --device cuda --steps 2 --out-dir "$OUT_DIR"
+fi
+
 if [ "$BENCH" != "none" ]; then
   bench_args=(--out-dir "$OUT_DIR")
   [ "$BENCH" = "quick" ] && bench_args+=(--quick)
@@ -56,7 +73,7 @@ if [ "$BENCH" != "none" ]; then
 fi
 
 # End to end on the GPU: packed rows through the compiled model (Triton varlen) against padded SDPA.
-if [ "${GPU_CHECK_PACKED:-yes}" != "no" ] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+if [ "${GPU_CHECK_PACKED:-no}" != "no" ] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   echo "== packed vs padded micro-batches (CUDA)"
   PYTHONPATH=. timeout "$STEP_TIMEOUT" python benchmarks/packed_vs_padded.py --device cuda --repeats 5 2>&1 \
       | tee "$OUT_DIR/packed_vs_padded.log"

@@ -35,6 +35,14 @@ def default_held_out_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted({*middles, round(1.5 * ordered[-1])} - set(ordered)))
 
 
+def packed_rows(fit_lengths: Sequence[int], held_lengths: Sequence[int]) -> list[tuple[int, ...]]:
+    """Rows of several equal sequences: 4 x L/4 for the two longest fitted lengths (in the fit),
+    3 x L/3 for the longest held-out length (held out)."""
+    rows = [(n // 4,) * 4 for n in sorted(fit_lengths)[-2:] if n >= 4]
+    rows += [(n // 3,) * 3 for n in sorted(held_lengths)[-1:] if n >= 3]
+    return rows
+
+
 def profile(
     model: torch.nn.Module,
     make_inputs: Callable[[int], Any],
@@ -49,6 +57,7 @@ def profile(
     optimizer_shards: int = 1,
     inner: str = "inductor",
     options: Mapping[str, Any] | None = None,
+    packed: bool = False,
     loss: Callable[[Any], torch.Tensor] | None = None,
     repeats: int = 5,
     warmup: int = 1,
@@ -73,6 +82,10 @@ def profile(
     FLOPs counted on the model) scaled to its nearest measured variant: ``cost_model.source(sp,
     policy)`` says which. With ``path``, the result is written there as JSON, and a later call
     with the same path loads it instead of measuring again (delete the file to re-measure).
+    ``packed=True``: the model trains on packed rows (``dcp.pack_sequences``); ``make_inputs``
+    then takes a *list* of lengths and returns one packed row of those sequences, the packed
+    variants are the ones measured, and rows of several sequences (:func:`packed_rows`) let the
+    fit price each sequence of a row apart from the row's fixed cost.
 
     Call it where ``torch.distributed`` is not initialised (one process), then load the file on
     every rank with ``dcp.CostModel.load(path)``: all ranks must plan with the same numbers.
@@ -94,21 +107,26 @@ def profile(
     hardware = hardware or Hardware.detect()
     scalar = loss or scalar_loss
 
-    points = [(Variant(sp, policy), length) for sp in sizes for policy in policies for length in (*fit_lengths, *held_lengths)]
+    rows = [(length,) for length in (*fit_lengths, *held_lengths)]
+    if packed:  # rows of several sequences, so the fit can tell per-sequence from fixed costs
+        rows += packed_rows(fit_lengths, held_lengths)
+    points = [(Variant(sp, policy), row) for sp in sizes for policy in policies for row in rows]
     from tqdm.auto import tqdm
 
     with fake_world(max(sizes)):
         compiled = torch.compile(model, backend="dcp", dynamic=True,
                                  options={"inner": inner, "check_ranks": False, **(options or {})})
-        steps = [_training_step(compiled, model, make_inputs(length), variant, scalar) for variant, length in points]
+        steps = [_training_step(compiled, model, make_inputs(list(row)) if packed else make_inputs(row[0]), variant,
+                                scalar, list(row) if packed else None)
+                 for variant, row in points]
         # Rounds over the whole design rather than repeats of one point in a row: a slow phase of
         # a shared machine then spreads over every point instead of landing on a few.
         timings: list[list[Timing]] = [[] for _ in points]
         rounds = ["warm-up"] * max(1, warmup) + ["timed"] * max(1, repeats)
         bar = tqdm(total=len(rounds) * len(points), desc="dcp.profile", unit="point", disable=not progress, leave=False)
         for kind in rounds:
-            for index, ((variant, length), step) in enumerate(zip(points, steps)):
-                bar.set_postfix_str(f"{kind} {variant} {length} tokens")
+            for index, ((variant, row), step) in enumerate(zip(points, steps)):
+                bar.set_postfix_str(f"{kind} {variant} {'+'.join(map(str, row))} tokens")
                 timing = time_step(step, device, repeats=1, warmup=0)
                 if kind == "timed":
                     timings[index].append(timing)
@@ -118,12 +136,13 @@ def profile(
 
     fitted: list[Measurement] = []
     kept_out: list[Measurement] = []
-    for (variant, length), runs in zip(points, timings):
+    held_rows = {(n,) for n in held_lengths} | set(packed_rows((), held_lengths) if packed else ())
+    for (variant, row), runs in zip(points, timings):
         seconds = tuple(t.seconds for t in runs)
         peaks = [t.peak_bytes for t in runs if t.peak_bytes is not None]
-        point = Measurement((length,), variant.sp_size, variant.recompute, statistics.median(seconds), seconds,
+        point = Measurement(row, variant.sp_size, variant.recompute, statistics.median(seconds), seconds,
                             max(peaks) if peaks else None)
-        (kept_out if length in held_lengths else fitted).append(point)
+        (kept_out if row in held_rows else fitted).append(point)
 
     fits = fit_all(fitted)
     notes = [
@@ -149,9 +168,9 @@ def profile(
 
 
 def _training_step(compiled: Any, model: torch.nn.Module, inputs: Any, variant: Variant,
-                   scalar: Callable[[Any], torch.Tensor]) -> Callable[[], None]:
+                   scalar: Callable[[Any], torch.Tensor], sequence_lengths: list[int] | None) -> Callable[[], None]:
     def step() -> None:
-        with use(variant):
+        with use(variant, sequence_lengths=sequence_lengths):
             value = scalar(_call(compiled, inputs))
         value.backward()
         # Keep gradient buffers allocated: the peak then measures activations, not them.

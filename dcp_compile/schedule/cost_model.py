@@ -254,6 +254,11 @@ def _time_coefficients(model: CostModel, sp_size: int, recompute: RecomputePolic
         return TimeCoefficients(*_scaled_sum(model, raw, COST_TERMS), per_sequence=per_sequence)
     communication = _scaled_sum(model, raw, ("communication",))
     fit = model.measured.fit_for(sp_size, recompute)
+    if fit is not None and fit.per_sequence is not None:  # packed rows of several sequences were timed
+        return TimeCoefficients(
+            fit.fixed + communication[0], fit.per_token + communication[1], fit.per_token_key + communication[2],
+            per_sequence=fit.per_sequence,
+        )
     if fit is not None:
         # A measurement is one sample: its fixed part holds that sample's context work, which the
         # separable form charges per sequence instead.

@@ -73,6 +73,7 @@ class VariantFit:
     per_token: float
     per_token_key: float
     max_tokens: int  # the longest micro-batch the fit saw: beyond it the fit extrapolates
+    per_sequence: float | None = None  # measured where micro-batches of several sequences were timed
     activation_fixed_bytes: float | None = None
     activation_bytes_per_token: float | None = None
 
@@ -81,10 +82,11 @@ class VariantFit:
 
     def seconds(self, lengths: Sequence[int]) -> float:
         tokens, token_keys = token_sums(lengths, None)
-        return self.fixed + self.per_token * tokens + self.per_token_key * token_keys
+        return (self.fixed + self.per_token * tokens + self.per_token_key * token_keys
+                + (self.per_sequence or 0.0) * len(lengths))
 
     def time_coefficients(self) -> TimeCoefficients:
-        return TimeCoefficients(self.fixed, self.per_token, self.per_token_key)
+        return TimeCoefficients(self.fixed, self.per_token, self.per_token_key, self.per_sequence or 0.0)
 
     def memory_coefficients(self) -> MemoryCoefficients | None:
         if self.activation_bytes_per_token is None:
@@ -180,19 +182,24 @@ def fit_variant(points: Sequence[Measurement]) -> VariantFit:
     Non-negative least squares on relative errors (each row divided by its measured seconds);
     columns scaled to unit norm first, since tokens and token-keys differ by orders of magnitude.
     Needs points at three or more distinct lengths to tell the three terms apart; with fewer, the
-    quadratic term is dropped (a straight line through what there is)."""
+    quadratic term is dropped (a straight line through what there is). Where some points pack
+    several sequences (``packed`` profiles), a fourth term, ``per_sequence * sequences``, is fitted
+    too: what each sequence of a packed row costs by itself (its attention call, its bounds)."""
     if not points:
         raise ValueError("fit_variant needs at least one measurement")
     first = points[0]
     if any(p.sp_size != first.sp_size or p.recompute != first.recompute for p in points):
         raise ValueError("fit_variant fits one variant at a time: the points mix SP sizes or policies")
     distinct = len({p.lengths for p in points})
-    columns = 3 if distinct >= 3 else 2
-    matrix = np.asarray([[1.0, p.tokens, p.token_keys][:columns] for p in points]) / np.asarray(
-        [[p.seconds] for p in points])
-    solution = _non_negative_least_squares(matrix, np.ones(len(points)))
-    fixed, per_token = float(solution[0]), float(solution[1]) if columns > 1 else 0.0
-    per_token_key = float(solution[2]) if columns > 2 else 0.0
+    columns = [0, 1, 2] if distinct >= 3 else [0, 1]
+    if len({len(p.lengths) for p in points}) > 1:
+        columns.append(3)
+    rows = [[1.0, p.tokens, p.token_keys, len(p.lengths)] for p in points]
+    matrix = np.asarray(rows)[:, columns] / np.asarray([[p.seconds] for p in points])
+    solution = dict(zip(columns, _non_negative_least_squares(matrix, np.ones(len(points)))))
+    fixed, per_token = float(solution[0]), float(solution[1])
+    per_token_key = float(solution.get(2, 0.0))
+    per_sequence = float(solution[3]) if 3 in solution else None
     memory = [p for p in points if p.peak_bytes is not None]
     activation_fixed = activation_per_token = None
     if len(memory) >= 2 and len({p.tokens for p in memory}) >= 2:
@@ -201,7 +208,7 @@ def fit_variant(points: Sequence[Measurement]) -> VariantFit:
         activation_fixed = max(float(intercept), 0.0)
     return VariantFit(
         sp_size=first.sp_size, recompute=first.recompute, fixed=fixed, per_token=per_token,
-        per_token_key=per_token_key, max_tokens=max(p.tokens for p in points),
+        per_token_key=per_token_key, max_tokens=max(p.tokens for p in points), per_sequence=per_sequence,
         activation_fixed_bytes=activation_fixed, activation_bytes_per_token=activation_per_token,
     )
 
@@ -235,6 +242,31 @@ def held_out_errors(fits: Sequence[VariantFit], points: Iterable[Measurement]) -
     return tuple(rows)
 
 
+def slowest_of(profiles: Sequence[MeasuredCosts]) -> MeasuredCosts:
+    """Several processes' profiles of one design as one: each point at its slowest process's
+    time (a step waits for its slowest rank), fits and held-out errors redone. Every rank that
+    merges the same profiles gets the same model, so all plan alike."""
+    if not profiles:
+        raise ValueError("slowest_of needs at least one profile")
+
+    def merged(groups: Iterable[Sequence[Measurement]]) -> list[Measurement]:
+        slowest: dict[tuple, Measurement] = {}
+        for points in groups:
+            for point in points:
+                key = (point.sp_size, point.recompute, point.lengths)
+                if key not in slowest or point.seconds > slowest[key].seconds:
+                    slowest[key] = point
+        return list(slowest.values())
+
+    fitted = merged(p.measurements for p in profiles)
+    kept_out = merged([h.measurement for h in p.held_out] for p in profiles)
+    fits = fit_all(fitted)
+    first = profiles[0]
+    notes = (*first.notes, f"each point the slowest of {len(profiles)} processes measuring at once")
+    return MeasuredCosts(device=first.device, software=first.software, fits=fits, measurements=tuple(fitted),
+                         held_out=held_out_errors(fits, kept_out), memory_measured=first.memory_measured, notes=notes)
+
+
 def markdown_report(costs: MeasuredCosts, title: str = "Profiled cost model") -> str:
     """The fits and held-out errors as a Markdown page (what ``benchmarks/results/profile_<device>.md`` holds)."""
     lines = [f"# {title}: {costs.device}", ""]
@@ -247,12 +279,13 @@ def markdown_report(costs: MeasuredCosts, title: str = "Profiled cost model") ->
             f"median {100 * summary[0]:.1f}%, worst {100 * summary[1]:.1f}%.")
         lines.append("")
     lines += ["## Fits (per-rank compute: seconds = fixed + per_token * tokens + per_token_key * sum(length^2))", "",
-              "| SP | recompute | fixed ms | per token us | per token-key ns | fitted up to (tokens) | activation bytes/token |",
-              "|---:|---|---:|---:|---:|---:|---:|"]
+              "| SP | recompute | fixed ms | per token us | per token-key ns | per sequence ms | fitted up to (tokens) | activation bytes/token |",
+              "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for fit in costs.fits:
         memory = "-" if fit.activation_bytes_per_token is None else f"{fit.activation_bytes_per_token:,.0f}"
+        per_sequence = "-" if fit.per_sequence is None else f"{1e3 * fit.per_sequence:.3f}"
         lines.append(f"| {fit.sp_size} | {fit.recompute.value} | {1e3 * fit.fixed:.3f} | {1e6 * fit.per_token:.3f} | "
-                     f"{1e9 * fit.per_token_key:.4f} | {fit.max_tokens:,} | {memory} |")
+                     f"{1e9 * fit.per_token_key:.4f} | {per_sequence} | {fit.max_tokens:,} | {memory} |")
     if costs.held_out:
         lines += ["", "## Held-out points", "",
                   "| SP | recompute | lengths | measured ms | predicted ms | error | repeat spread |",
@@ -268,7 +301,7 @@ def markdown_report(costs: MeasuredCosts, title: str = "Profiled cost model") ->
     for m in costs.measurements:
         fit = table.get((m.sp_size, m.recompute))
         predicted = "-" if fit is None else f"{1e3 * fit.seconds(m.lengths):.2f}"
-        lengths = ",".join(str(n) for n in m.lengths)
+        lengths = ",".join(str(n) for n in m.lengths) if len(m.lengths) <= 4 else f"{len(m.lengths)} x {m.lengths[0]}"
         lines.append(f"| {m.sp_size} | {m.recompute.value} | {lengths} | {1e3 * m.seconds:.2f} | {predicted} | "
                      f"{100 * m.spread:.0f}% |")
     return "\n".join(lines) + "\n"
@@ -283,5 +316,5 @@ def relative_error_summary(errors: Sequence[float]) -> str:
 
 __all__ = [
     "HeldOut", "MeasuredCosts", "Measurement", "VariantFit", "fit_all", "fit_variant", "held_out_errors",
-    "markdown_report", "relative_error_summary",
+    "markdown_report", "relative_error_summary", "slowest_of",
 ]

@@ -1,0 +1,296 @@
+"""Plans replayed on measured compute: DCP against static SP, bucket parallel and DCP-inter at 8 and 32 ranks.
+
+Every scheduler plans the same steps (the same samples per optimizer step, iso-batch) with the
+same cost model, measured by ``dcp.profile`` on this device. Then each plan is *replayed*: every
+micro-batch of every rank is run on this device at its per-rank shapes (the compiled variant of
+its SP size and recompute policy, on a one-process fake world, so the time is the rank's compute
+alone), and each rank's busy time is the sum of its micro-batches' measured times plus their
+modelled all-to-alls. A step takes its slowest rank, plus one modelled gradient all-reduce.
+
+Labels: compute **measured** (this device, named in the results), communication **modelled**:
+on a GPU the H200 preset (NVLink 4: 450 GB/s one way per GPU inside a node of 8, NVIDIA's H200 SXM
+datasheet; one 400 Gb/s InfiniBand NDR NIC per GPU across nodes, 50 GB/s), on a CPU the same links
+slowed by this CPU's measured matmul speed over the H200's dense bf16 peak (989 TFLOP/s), so
+that communication weighs against compute as it would on the cluster. Each table shows the
+communication band: the whole replay again with every link 1.5x faster and 1.5x slower (+-50%
+bandwidth).
+
+The model: a GPT-style decoder (``dcp_compile.demo.example_models.TinyGPT``: RoPE, causal SDPA,
+cross-entropy; packed rows, varlen attention), at width 128 x 2 layers on a CPU and width 2048 x
+4 layers (16 heads, a Llama-1B-wide block stack) on a GPU; samples are a long-tailed text mix (a
+Zipf mix of lengths from ``--shortest`` to ``--longest``). Memory is a stand-in on a CPU: the cap
+makes the longest sample need SP 8 with full recompute, as device memory does on the cluster;
+on a GPU it is the device's (measured activation peaks from the profile).
+
+Writes ``benchmarks/results/replay_<device>.md`` and ``.json``. Run:
+``PYTHONPATH=. python benchmarks/replay.py [--steps 3] [--worlds 8 32]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+import dcp_compile as dcp
+from dcp_compile.compiler.variant_selection import use
+from dcp_compile.demo.example_models import TinyGPT
+from dcp_compile.device_profile.device_timing import device_name, software_versions, time_step
+from dcp_compile.device_profile.fake_world import fake_world
+from dcp_compile.schedule.hardware import Hardware
+from dcp_compile.schedule.measured_costs import markdown_report
+from dcp_compile.schedule.plan import Schedule
+from dcp_compile.schedule.planner import Planner
+from dcp_compile.schedule.published_schedulers import BucketParallelScheduler, DCPInterScheduler, StaticSPScheduler
+
+RESULTS = Path(__file__).resolve().parent / "results"
+VOCAB = 1024
+H200_BF16_PEAK = 989e12
+SCHEDULERS = ("dcp", "static-sp", "bucket-parallel", "dcp-inter")
+BAND = (1.5, 1.0, 1 / 1.5)  # link speed factors: the band's fast end, the model, its slow end
+
+
+@dataclass(frozen=True)
+class Setup:
+    device: torch.device
+    hidden: int
+    layers: int
+    heads: int
+    dtype: torch.dtype
+    shortest: int
+    longest: int
+    tokens_per_step: int
+
+
+def setup_for(device: torch.device, args: argparse.Namespace) -> Setup:
+    if device.type == "cuda":
+        return Setup(device, 2048, 4, 16, torch.bfloat16, args.shortest or 128, args.longest or 32768,
+                     args.tokens_per_step or 1 << 20)
+    return Setup(device, 128, 2, 4, torch.float32, args.shortest or 32, args.longest or 2048,
+                 args.tokens_per_step or 1 << 14)
+
+
+def zipf_lengths(count: int, shortest: int, longest: int, seed: int = 0) -> list[int]:
+    """Lengths on a log grid from shortest to longest, weights 1/(rank+1)^1.2 (shortest most common),
+    jittered by +-20% so packed rows differ."""
+    rng = random.Random(seed)
+    grid = []
+    length = shortest
+    while length <= longest:
+        grid.append(length)
+        length *= 2
+    weights = [1 / (i + 1) ** 1.2 for i in range(len(grid))]
+    lengths = []
+    for _ in range(count):
+        base = rng.choices(grid, weights)[0]
+        lengths.append(max(shortest, min(longest, int(base * rng.uniform(0.8, 1.2)))))
+    return lengths
+
+
+def build_model(setup: Setup) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(VOCAB, setup.hidden, setup.layers, setup.heads).to(setup.device, setup.dtype)
+
+
+def packed_inputs(setup: Setup):
+    def make(lengths: list[int]):
+        generator = torch.Generator().manual_seed(sum(lengths))
+        packed = dcp.pack_sequences([torch.randint(1, VOCAB, (n,), generator=generator) for n in lengths])
+        return tuple(t.to(setup.device) for t in (packed.input_ids, packed.labels, packed.position_ids))
+    return make
+
+
+def link_model(device: torch.device) -> tuple[Hardware, str]:
+    """The H200 preset's links, on a CPU slowed by its measured matmul speed over the H200 peak."""
+    if device.type == "cuda":
+        return Hardware.H200, "H200 preset links (NVLink 4 450 GB/s in a node of 8; 400 Gb/s InfiniBand NDR across)"
+    size = 512
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    best = math.inf
+    for _ in range(10):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    ratio = (2 * size**3 / best) / H200_BF16_PEAK
+    h200 = Hardware.H200
+    hardware = replace(
+        h200, name="H200 links at this CPU's speed", peak_flops=2 * size**3 / best,
+        intra_node_bandwidth=h200.intra_node_bandwidth * ratio, inter_node_bandwidth=h200.inter_node_bandwidth * ratio,
+        intra_node_latency=h200.intra_node_latency / ratio, inter_node_latency=h200.inter_node_latency / ratio,
+    )
+    return hardware, (f"H200 preset links slowed by this CPU's measured matmul rate over the H200 bf16 peak "
+                      f"({ratio:.2e}): {hardware.intra_node_bandwidth / 1e6:.2f} MB/s in a node of 8, "
+                      f"{hardware.inter_node_bandwidth / 1e6:.2f} MB/s across")
+
+
+def with_links(cost_model: dcp.CostModel, factor: float) -> dcp.CostModel:
+    hw = cost_model.hardware
+    return replace(cost_model, hardware=replace(hw, intra_node_bandwidth=hw.intra_node_bandwidth * factor,
+                                                inter_node_bandwidth=hw.inter_node_bandwidth * factor))
+
+
+class Replayer:
+    """Times each distinct per-rank micro-batch once on the device (median of ``repeats``)."""
+
+    def __init__(self, model: TinyGPT, setup: Setup, repeats: int) -> None:
+        self.model, self.setup, self.repeats = model, setup, repeats
+        self.compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "inductor" if setup.device.type == "cuda" else "aot_eager", "check_ranks": False})
+        self.make = packed_inputs(setup)
+        self.cache: dict[tuple, float] = {}
+
+    def seconds(self, lengths: Sequence[int], sp_size: int, recompute: dcp.RecomputePolicy) -> float:
+        key = (tuple(sorted(lengths)), sp_size, dcp.RecomputePolicy.parse(recompute))
+        if key not in self.cache:
+            inputs = self.make(list(key[0]))
+            variant = dcp.Variant(sp_size, key[2])
+
+            def step() -> None:
+                with use(variant, sequence_lengths=list(key[0])):
+                    loss = self.compiled(*inputs)
+                loss.backward()
+                self.model.zero_grad(set_to_none=False)
+
+            self.cache[key] = time_step(step, self.setup.device, repeats=self.repeats, warmup=1).seconds
+        return self.cache[key]
+
+
+def replay(schedule: Schedule, lengths: Sequence[int], replayer: Replayer, cost_models: Sequence[dcp.CostModel]) -> dict:
+    """Per link speed of ``cost_models``: (makespan, busy compute) of ``schedule`` with measured compute."""
+    out = []
+    for model in cost_models:
+        loads = [0.0] * schedule.world_size
+        compute = [0.0] * schedule.world_size
+        for mb in schedule.microbatches:
+            mb_lengths = [lengths[p] for p in mb.positions]
+            measured = replayer.seconds(mb_lengths, mb.sp_size, mb.recompute)
+            silent = replace(model, scales={**model.scales, "communication": 0.0})
+            communication = model.time(mb_lengths, mb.sp_size, mb.recompute) - silent.time(mb_lengths, mb.sp_size, mb.recompute)
+            for rank in mb.ranks:
+                loads[rank] += measured + communication
+                compute[rank] += measured
+        out.append((max(loads), sum(compute)))
+    return out
+
+
+def schedules_for(cost_model: dcp.CostModel, world: int, lengths: Sequence[int], longest: int) -> dict[str, tuple[Schedule, list[int]]]:
+    """Each scheduler's plan of one step; static SP gets the step sorted by length (its strong variant)."""
+    ordered = sorted(lengths)
+    static = StaticSPScheduler(cost_model, world, longest)
+    return {
+        "dcp": (Planner(cost_model, world).plan(lengths), list(lengths)),
+        "static-sp": (static.schedule(ordered), ordered),
+        "bucket-parallel": (BucketParallelScheduler(cost_model, world, longest).schedule(lengths), list(lengths)),
+        "dcp-inter": (DCPInterScheduler(cost_model, world).schedule(lengths), list(lengths)),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shortest", type=int, default=0)
+    parser.add_argument("--longest", type=int, default=0)
+    parser.add_argument("--tokens-per-step", type=int, default=0)
+    parser.add_argument("--out-dir", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    setup = setup_for(device, args)
+    model = build_model(setup)
+    hardware, link_text = link_model(device)
+    started = time.perf_counter()
+
+    profile_lengths = [setup.longest // 16, setup.longest // 8, setup.longest // 4, setup.longest // 2, setup.longest]
+    print(f"replay on {device_name(device)}: profiling TinyGPT width {setup.hidden} x {setup.layers} layers ...", flush=True)
+    prior = dcp.ModelProfile.transformer("replay-gpt", num_layers=setup.layers, hidden_size=setup.hidden,
+                                         num_heads=setup.heads, ffn_hidden_size=4 * setup.hidden, vocab_size=VOCAB,
+                                         causal=True, dtype_bytes=2 if setup.dtype == torch.bfloat16 else 4)
+    inner = "inductor" if device.type == "cuda" else "aot_eager"
+    cost_model = dcp.profile(model, packed_inputs(setup), lengths=profile_lengths, sp_sizes=(1, 2, 4, 8),
+                             causal=True, prior=prior, hardware=hardware, inner=inner, packed=True,
+                             repeats=args.repeats)
+    if device.type == "cpu":  # a stand-in memory cap: the longest sample needs SP 8 with full recompute
+        state = cost_model.memory_coefficients(8, "full").fixed_bytes
+        cap = state + 1.02 * (cost_model.peak_memory([setup.longest], 8, "full") - state)
+        cost_model = replace(cost_model, hardware=replace(hardware, memory_capacity=cap / 0.9))
+    profile_text = markdown_report(cost_model.measured, title="Profile used by the replay")
+
+    lengths_pool = zipf_lengths(4000, setup.shortest, setup.longest)
+    rows = []
+    with fake_world(max(args.worlds)):
+        replayer = Replayer(model, setup, args.repeats)
+        for world in args.worlds:
+            cost_model_w = replace(cost_model, optimizer_shards=world)
+            band = [with_links(cost_model_w, f) for f in BAND]
+            sampler = dcp.DataCentricSampler(lengths_pool, setup.tokens_per_step, cost_model=cost_model_w,
+                                             world_size=world, rank=0, seed=0, verify_plan=False)
+            totals = {name: [0.0] * len(BAND) for name in SCHEDULERS}
+            busy = {name: 0.0 for name in SCHEDULERS}
+            bound = 0.0
+            tokens = 0
+            for step_index, indices in enumerate(sampler.steps(0)[: args.steps]):
+                lengths = [lengths_pool[i] for i in indices]
+                tokens += sum(lengths)
+                bound += Planner(cost_model_w, world).plan(lengths).makespan and sampler.plan(step_index).lower_bound
+                sync = [m.hardware.all_reduce_seconds(m.profile.parameter_bytes, world) for m in band]
+                for name, (schedule, ordered) in schedules_for(cost_model_w, world, lengths, setup.longest).items():
+                    replayed = replay(schedule, ordered, replayer, band)
+                    for i, (makespan, compute) in enumerate(replayed):
+                        totals[name][i] += makespan + sync[i]
+                    busy[name] += replayed[1][1]
+                print(f"  world {world}: step {step_index} replayed ({len(replayer.cache)} distinct micro-batches timed, "
+                      f"{time.perf_counter() - started:.0f} s)", flush=True)
+            for name in SCHEDULERS:
+                seconds = totals[name]
+                rows.append({
+                    "world": world, "scheduler": name, "tokens": tokens,
+                    "tokens_per_s": tokens / seconds[1], "tokens_per_s_fast_links": tokens / seconds[0],
+                    "tokens_per_s_slow_links": tokens / seconds[2],
+                    "utilisation": busy[name] / (world * seconds[1]),
+                    "bound_ratio": bound / seconds[1] if bound else math.nan,
+                })
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "cuda_" + device_name(device).lower().replace(" ", "-") if device.type == "cuda" else "cpu"
+    versions = software_versions(device)
+    lines = [f"# Plans replayed on measured compute: {device_name(device)}", "",
+             "**Replayed: measured compute, modelled communication.** Each micro-batch of each rank was run on this "
+             "device at its per-rank shapes (fake process group: no data moved); the all-to-alls and the gradient "
+             f"all-reduce are modelled: {link_text}. Band: links 1.5x faster / slower.", "",
+             f"Model: TinyGPT width {setup.hidden} x {setup.layers} layers, {setup.heads} heads, {setup.dtype}; "
+             f"samples: Zipf text lengths {setup.shortest}..{setup.longest}, {setup.tokens_per_step:,} tokens per "
+             f"step, {args.steps} steps per world size, the same samples per step for every scheduler. "
+             + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".", "",
+             "| ranks | scheduler | tokens/s (band: slow..fast links) | DCP / it | utilisation | of DCP's bound |",
+             "|---:|---|---|---:|---:|---:|"]
+    for world in args.worlds:
+        mine = [r for r in rows if r["world"] == world]
+        dcp_rate = next(r["tokens_per_s"] for r in mine if r["scheduler"] == "dcp")
+        for r in mine:
+            lines.append(f"| {world} | {r['scheduler']} | {r['tokens_per_s']:,.0f} ({r['tokens_per_s_slow_links']:,.0f}.."
+                         f"{r['tokens_per_s_fast_links']:,.0f}) | {dcp_rate / r['tokens_per_s']:.2f}x | "
+                         f"{100 * r['utilisation']:.0f}% | {100 * r['bound_ratio']:.0f}% |")
+    lines += ["", "Utilisation: measured compute over ranks x step time. 'Of DCP's bound': the planner's lower bound "
+              "(priced by the profiled cost model) over the replayed step time.", "", profile_text]
+    (out / f"replay_{tag}.md").write_text("\n".join(lines) + "\n")
+    (out / f"replay_{tag}.json").write_text(json.dumps({"device": device_name(device), "software": versions,
+                                                       "rows": rows}, indent=2))
+    print("\n".join(lines[:len(lines) - 1]))
+    print(f"wrote {out / f'replay_{tag}.md'} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
