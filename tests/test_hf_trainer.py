@@ -121,7 +121,7 @@ def reference(updates: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[f
     for indices in updates:
         loss = model(**collate([data[i] for i in indices])).loss
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
