@@ -167,12 +167,19 @@ def replay(schedule: Schedule, lengths: Sequence[int], replayer: Replayer, cost_
     """Per link speed of ``cost_models``: (makespan, busy compute) of ``schedule`` with measured compute."""
     out = []
     for model in cost_models:
+        silent = replace(model, scales={**model.scales, "communication": 0.0})
         loads = [0.0] * schedule.world_size
         compute = [0.0] * schedule.world_size
         for mb in schedule.microbatches:
             mb_lengths = [lengths[p] for p in mb.positions]
             measured = replayer.seconds(mb_lengths, mb.sp_size, mb.recompute)
-            silent = replace(model, scales={**model.scales, "communication": 0.0})
+            if mb.recompute == dcp.RecomputePolicy.FULL:
+                # DCP-inter's pyramid keeps some layers unchecked: its predicted time sits between
+                # full and none; replay the same share between the two measured times.
+                full, none = (model.time(mb_lengths, mb.sp_size, policy) for policy in ("full", "none"))
+                kept = min(max((full - mb.predicted_time) / (full - none), 0.0), 1.0) if full > none else 0.0
+                if kept > 1e-9:
+                    measured -= kept * (measured - replayer.seconds(mb_lengths, mb.sp_size, dcp.RecomputePolicy.NONE))
             communication = model.time(mb_lengths, mb.sp_size, mb.recompute) - silent.time(mb_lengths, mb.sp_size, mb.recompute)
             for rank in mb.ranks:
                 loads[rank] += measured + communication
@@ -181,12 +188,13 @@ def replay(schedule: Schedule, lengths: Sequence[int], replayer: Replayer, cost_
     return out
 
 
-def schedules_for(cost_model: dcp.CostModel, world: int, lengths: Sequence[int], longest: int) -> dict[str, tuple[Schedule, list[int]]]:
+def schedules_for(planner: Planner, world: int, lengths: Sequence[int], longest: int) -> dict[str, tuple[Schedule, list[int]]]:
     """Each scheduler's plan of one step; static SP gets the step sorted by length (its strong variant)."""
+    cost_model = planner.cost_model
     ordered = sorted(lengths)
     static = StaticSPScheduler(cost_model, world, longest)
     return {
-        "dcp": (Planner(cost_model, world).plan(lengths), list(lengths)),
+        "dcp": (planner.plan(lengths), list(lengths)),
         "static-sp": (static.schedule(ordered), ordered),
         "bucket-parallel": (BucketParallelScheduler(cost_model, world, longest).schedule(lengths), list(lengths)),
         "dcp-inter": (DCPInterScheduler(cost_model, world).schedule(lengths), list(lengths)),
@@ -236,16 +244,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             band = [with_links(cost_model_w, f) for f in BAND]
             sampler = dcp.DataCentricSampler(lengths_pool, setup.tokens_per_step, cost_model=cost_model_w,
                                              world_size=world, rank=0, seed=0, verify_plan=False)
+            planner = Planner(cost_model_w, world)
             totals = {name: [0.0] * len(BAND) for name in SCHEDULERS}
             busy = {name: 0.0 for name in SCHEDULERS}
             bound = 0.0
             tokens = 0
-            for step_index, indices in enumerate(sampler.steps(0)[: args.steps]):
+            for step_index, indices in enumerate(sampler.steps(0)[: args.steps]):  # the sampler's cut of the epoch
                 lengths = [lengths_pool[i] for i in indices]
                 tokens += sum(lengths)
-                bound += Planner(cost_model_w, world).plan(lengths).makespan and sampler.plan(step_index).lower_bound
+                bound += planner.lower_bound(lengths)
                 sync = [m.hardware.all_reduce_seconds(m.profile.parameter_bytes, world) for m in band]
-                for name, (schedule, ordered) in schedules_for(cost_model_w, world, lengths, setup.longest).items():
+                for name, (schedule, ordered) in schedules_for(planner, world, lengths, setup.longest).items():
                     replayed = replay(schedule, ordered, replayer, band)
                     for i, (makespan, compute) in enumerate(replayed):
                         totals[name][i] += makespan + sync[i]

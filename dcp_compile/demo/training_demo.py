@@ -1,29 +1,31 @@
-"""The main job: train a small GPT on variable-length data with ``backend="dcp"``, then compare.
+"""The main job: train a small GPT on variable-length data with ``backend="dcp"``, against static SP.
 
 ``python -m dcp_compile demo`` spawns a local gloo world (2 CPU processes by default); under
-``torchrun`` it uses the world it is given. Every rank:
+``torchrun`` it uses the world it is given (a GPU per rank with NCCL). The steps:
 
-1. builds the same synthetic dataset of long-tailed lengths (16 to 1024 tokens: most samples
-   short, a few long) and the same :class:`~dcp_compile.demo.example_models.TinyGPT`;
-2. compiles it once with ``torch.compile(model, backend="dcp", dynamic=True)`` and runs every
-   variant the job can need (each SP size, on packed rows: every micro-batch concatenates its
-   samples and attention runs the varlen kernel, see ``dcp.pack_sequences``), so that no compile
-   lands inside a timed step;
-3. builds a cost model for *this* model on *this* machine: the analytic TinyGPT profile on the CPU
-   record, calibrated on a few timed micro-batches (each point timed on every rank, the slowest
-   taken, so every rank fits the same model and derives the same plans);
-4. trains ``steps`` steps with :class:`~dcp_compile.DataCentricSampler`: per micro-batch an SP
-   size chosen by the planner, the loss scaled by ``loss_scale``, one ``dcp.sync_gradients`` per
-   step. Rank 0 prints each step's plan, then the measured time, loss and tokens/s;
-5. trains the same steps with static SP from the same initial weights: the same samples,
-   repacked in arrival order to static SP's own per-micro-batch budget (``max_tokens_per_rank *
-   world``, not DCP's smaller cuts), each micro-batch run by the whole world at ``sp_size = world``
-   (the one-configuration baseline); both runs print their micro-batch counts and padding. The two trainings alternate step by step (each with its own weights and optimizer)
-   so that a slow phase of a shared machine hits both; rank 0 prints them side by side.
+1. **Measure compute.** Every rank, at the same time and before the world exists, runs
+   ``dcp.profile`` on :class:`~dcp_compile.demo.example_models.TinyGPT`: each variant's per-rank
+   work (every SP size, every recompute policy, packed rows) timed on a fake world at several
+   lengths, fitted, and checked on lengths it did not fit. The ranks' profiles are merged point by
+   point at the slowest, so all plan with the same numbers.
+2. **Compile** every variant once (one dynamo trace; every micro-batch is one packed row, see
+   ``dcp.pack_sequences``), so no compile lands in a timed step; then **measure communication**:
+   the SP-world variant timed on the real world less its profiled compute.
+3. **A memory cap** (a stand-in on a CPU): the longest sample fits on the whole world only with
+   full recompute, as device memory forces on a real job's longest samples. Static SP therefore
+   recomputes every micro-batch; DCP chooses per micro-batch.
+4. **Train** ``steps`` steps twice from the same weights, interleaved step by step (which runs first
+   alternates) so a slow phase of a shared machine hits both: with the
+   :class:`~dcp_compile.DataCentricSampler`'s plans (SP size and recompute per micro-batch,
+   ``loss_scale``, one ``dcp.sync_gradients`` per step) and with static SP (one setup chosen so the
+   longest sample fits, the step's samples sorted and packed to its own budget: the strong
+   baseline). The data is a short-dominated mix (:func:`long_tailed_lengths`).
+5. **Report**: measured tokens/s of both, the per-step paired ratio with its interval, the cost
+   model's prediction and its error, and where the difference comes from (recompute and
+   communication, priced by the same model); the losses must agree to float rounding.
 
-Both runs do the same arithmetic on the same tokens, so their losses agree to float rounding; only
-the time differs. The demo says what the numbers mean: on CPU processes talking over gloo they are
-a sanity check of the mechanics, not a prediction of GPU speedups.
+On CPU processes talking over gloo the sizes of the effects are this machine's; the mechanisms are
+the ones a GPU cluster has.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ import itertools
 import math
 import os
 import random
+import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -52,15 +56,22 @@ LONGEST = 1024
 TOKENS_PER_STEP = 4096
 WARMUP_LENGTH = 64
 LEARNING_RATE = 3e-3
+MEMORY_FRACTION = 0.9
 
 
 # ---------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------
+SHORT_SKEW = 2.5  # log-length = u ** SHORT_SKEW of the way from shortest to longest, u uniform
+
+
 def long_tailed_lengths(count: int, seed: int, shortest: int = SHORTEST, longest: int = LONGEST) -> list[int]:
-    """Lengths whose log is uniform: most samples short, a few long (as in real corpora)."""
+    """A short-dominated mix: most samples short (median about 2x ``shortest``), a few near
+    ``longest``, which still hold about a third of the tokens. The few long ones decide a static
+    setup (its SP size and recompute must fit them); the many short ones are where a per-batch
+    choice wins, as in the published short-dominated mixes."""
     rng = random.Random(seed)
-    return [int(shortest * (longest / shortest) ** rng.random()) for _ in range(count)]
+    return [int(shortest * (longest / shortest) ** (rng.random() ** SHORT_SKEW)) for _ in range(count)]
 
 
 def make_dataset(seed: int, total_tokens: int, shortest: int = SHORTEST, longest: int = LONGEST) -> list[torch.Tensor]:
@@ -116,20 +127,111 @@ def packed_loss(compiled, variant: dcp.Variant, packed: dcp.PackedBatch) -> torc
 
 
 # ---------------------------------------------------------------------------------------------
-# Cost model
+# Cost model: measured compute, measured link, a stand-in memory cap
 # ---------------------------------------------------------------------------------------------
-def tinygpt_cost_model() -> dcp.CostModel:
-    """TinyGPT's analytic profile (fp32 weights and activations, AdamW state) on this device.
+PROFILE_LENGTHS = (64, 128, 256, 512, 1024)
+PROFILE_HELD_OUT = (181, 724)
+PROFILE_REPEATS = 3
 
-    ``CostModel.default()`` describes a generic 1B-parameter model: on TinyGPT it predicts minutes
-    per step and packs whole steps into one SP group, so the demo describes its own model.
-    ``Hardware.detect()`` gives the CPU record (plain constants, the same on every rank) here.
-    """
-    profile = dcp.ModelProfile.transformer(
+
+def tinygpt_profile() -> dcp.ModelProfile:
+    """TinyGPT's analytic profile (fp32 weights and activations, AdamW state): the prior for what
+    is not measured, and the memory model (the CPU allocator keeps no peak statistics)."""
+    return dcp.ModelProfile.transformer(
         "tinygpt", num_layers=LAYERS, hidden_size=HIDDEN, num_heads=HEADS, ffn_hidden_size=4 * HIDDEN,
         vocab_size=VOCAB, causal=True, dtype_bytes=4, gradient_dtype_bytes=4, optimizer_bytes_per_parameter=8,
     )
-    return dcp.CostModel(profile, dcp.Hardware.detect(), optimizer_shards=1)
+
+
+def _profile_inputs(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(sum(lengths))
+    packed = dcp.pack_sequences([torch.randint(1, VOCAB, (n,), generator=generator) for n in lengths])
+    return packed.input_ids, packed.labels, packed.position_ids
+
+
+def profile_compute(world_size: int, inner: str, seed: int, progress: bool = False, device: str = "cpu") -> dict:
+    """Time TinyGPT's per-rank work of every variant the demo can run (each SP size, each recompute
+    policy, packed rows) in this process on a fake world (``dcp.profile``); on a CPU with one thread.
+
+    Every rank of the demo runs this at the same time, before the world is set up, so the
+    measurements see the machine as training will: every core busy with one rank."""
+    if device == "cpu":
+        torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    model = TinyGPT(VOCAB, HIDDEN, LAYERS, HEADS).to(device)
+    cost_model = dcp.profile(
+        model, lambda lengths: tuple(t.to(device) for t in _profile_inputs(lengths)), lengths=PROFILE_LENGTHS,
+        held_out=PROFILE_HELD_OUT, sp_sizes=sp_sizes_for(world_size), causal=True, prior=tinygpt_profile(),
+        hardware=dcp.Hardware.detect(), inner=inner, packed=True, repeats=PROFILE_REPEATS, progress=progress,
+    )
+    return cost_model.measured.to_dict()
+
+
+def _profile_process(arguments: tuple[int, str, int, bool]) -> dict:
+    return profile_compute(*arguments)
+
+
+COMMUNICATION_LENGTHS = (128, 512, 1024)
+
+
+def measure_communication(compiled, model: torch.nn.Module, measured: Sequence[dict], world_size: int,
+                          device: torch.device) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of this world's all-to-alls, measured where they happen:
+    the SP-``world`` variant timed on the real world at a few lengths (the slowest rank's median),
+    less the compute ``dcp.profile`` measured for the same variant and row on its fake world. What
+    is left (the all-to-alls, the rank check, the waits) is fitted as the cost model's
+    communication term, ``8 x layers x latency + bytes / bandwidth``. Every rank gets the same
+    two numbers."""
+    from dcp_compile.schedule.analytic import raw_term_coefficients
+    from dcp_compile.schedule.measured_costs import MeasuredCosts, slowest_of
+
+    if world_size == 1:
+        return 0.0, float("inf")
+    compute = slowest_of([MeasuredCosts.from_dict(d) for d in measured]).fit_for(world_size, "none")
+    variant = dcp.Variant(world_size, "none")
+    generator = torch.Generator().manual_seed(1)
+    extra = []
+    for length in COMMUNICATION_LENGTHS:
+        packed = pack([torch.randint(1, VOCAB, (length,), generator=generator)], [0], device)
+        times = []
+        for _ in range(5):
+            _barrier()
+            start = time.perf_counter()
+            packed_loss(compiled, variant, packed).backward()
+            _synchronize(device)
+            times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+        measured_seconds = _world_max(statistics.median(times), device)
+        extra.append(max(measured_seconds - compute.seconds([length]), 0.0))
+    per_token, fixed = np.polyfit(COMMUNICATION_LENGTHS, extra, deg=1)
+    fixed, per_token = max(float(fixed), 0.0), max(float(per_token), 0.0)
+    # The cost model's communication term with a 1 s latency and 1 B/s links, to solve for both.
+    unit = replace(dcp.Hardware.this_cpu(), intra_node_latency=1.0, intra_node_bandwidth=1.0,
+                   inter_node_latency=1.0, inter_node_bandwidth=1.0, gpus_per_node=world_size)
+    unit_fixed, unit_per_token, _ = raw_term_coefficients(tinygpt_profile(), unit, world_size, "none")["communication"]
+    latency = fixed / unit_fixed
+    bandwidth = unit_per_token / per_token if per_token > 0 else 1e12
+    return latency, bandwidth
+
+
+def demo_cost_model(measured: Sequence[dict], link: tuple[float, float], world_size: int) -> tuple[dcp.CostModel, float]:
+    """The cost model every rank plans with, and the stand-in memory cap (bytes per rank).
+
+    Compute: what every rank measured (``profile_compute``), each point at the slowest rank's
+    time. Communication: the link :func:`measure_link` timed. Memory: the analytic model (the CPU
+    has no allocator statistics) against a stand-in cap: the longest sample fits on the whole
+    world only with full recompute, as a GPU's memory forces on a real job's longest samples."""
+    from dcp_compile.schedule.measured_costs import MeasuredCosts, slowest_of
+
+    compute = slowest_of([MeasuredCosts.from_dict(d) for d in measured])
+    latency, bandwidth = link
+    detected = dcp.Hardware.detect()
+    hardware = replace(detected, name=f"{compute.device}, link measured", intra_node_latency=latency,
+                       intra_node_bandwidth=min(bandwidth, 1e12), gpus_per_node=max(1, world_size))
+    model = dcp.CostModel(tinygpt_profile(), hardware, scales={"communication": 1.0}, measured=compute)
+    state = model.memory_coefficients(world_size, "full").fixed_bytes  # parameters, gradients, optimizer, reserve
+    cap = state + 1.02 * (model.peak_memory([LONGEST], world_size, "full") - state)
+    return replace(model, hardware=replace(hardware, memory_capacity=cap / MEMORY_FRACTION)), cap
 
 
 def sp_sizes_for(world_size: int) -> list[int]:
@@ -157,34 +259,6 @@ def _world_max(value: float, device: torch.device) -> float:
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def calibrate(cost_model: dcp.CostModel, compiled, model: torch.nn.Module, sp_sizes: Sequence[int],
-              device: torch.device, seed: int) -> dcp.CostModel:
-    """Fit the cost model's scale factors to a few timed micro-batches.
-
-    Every rank runs every point at the same time (SP > 1 points need the whole group; SP 1 points
-    run concurrently, as SP 1 micro-batches do in training) and each point's time is the slowest
-    rank's, so all ranks fit the same numbers and plan identically.
-    """
-    generator = torch.Generator().manual_seed(seed + 1)
-    points = cost_model.calibration_points(LONGEST, sp_sizes=sp_sizes, recompute=("none",), min_length=WARMUP_LENGTH)
-
-    def measure(lengths: Sequence[int], sp_size: int, recompute: str) -> float:
-        batch = [torch.randint(1, VOCAB, (n,), generator=generator) for n in lengths]
-        packed = pack(batch, range(len(batch)), device)
-        best = math.inf
-        for _ in range(2):
-            _barrier()
-            start = time.perf_counter()
-            loss = packed_loss(compiled, dcp.Variant(sp_size, recompute), packed)
-            loss.backward()
-            _synchronize(device)
-            best = min(best, time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
-        return _world_max(best, device)
-
-    return cost_model.calibrate(measure, points, progress=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,10 +349,11 @@ def _gather_step(elapsed: float, busy: float, loss_share: float, device: torch.d
 
 
 def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", seed: int = 0,
-          tokens_per_step: int = TOKENS_PER_STEP, calibrate_cost_model: bool = True,
+          tokens_per_step: int = TOKENS_PER_STEP, measured: Sequence[dict] = (),
           log: Callable[[str], None] | None = None) -> dict:
     """Train TinyGPT with DCP plans and with static SP on the same steps; see the module docstring.
 
+    ``measured``: every rank's :func:`profile_compute` result (the same list on every rank).
     Returns plain data (what rank 0 printed): per-step results of both runs and the setup.
     """
     say = (log or (lambda text: print(text, flush=True))) if rank == 0 else (lambda text: None)
@@ -287,6 +362,8 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
         dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
     if distributed:
         dcp.create_sp_groups()  # every SP group, on every rank, before any rank picks a variant
+    if not measured:
+        raise ValueError("train needs the ranks' compute profiles (profile_compute); run_demo measures them")
 
     dataset = make_dataset(seed, (steps + 1) * tokens_per_step)
     lengths = [len(s) for s in dataset]
@@ -295,41 +372,41 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
     initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # before any update
     compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": inner})
     sizes = sp_sizes_for(world_size)
-    static_variant = dcp.Variant(world_size, "none")
-    variants = sorted({dcp.Variant(s, "none") for s in sizes} | {static_variant}, key=lambda v: -v.sp_size)
 
-    # -------------------------------------------------------------- compile every variant once
+    variants = [dcp.Variant(sp, policy) for sp in sorted(sizes, reverse=True) for policy in dcp.RecomputePolicy]
     start = time.perf_counter()
     warm_up(compiled, model, variants, device)
     compile_seconds = _world_max(time.perf_counter() - start, device)
     say(f"compiled TinyGPT ({sum(p.numel() for p in model.parameters()):,} parameters, inner={inner}) for "
-        f"{', '.join(str(v) + '/packed' for v in variants)} (one dynamo trace: every micro-batch is one packed "
-        f"row of any length and any number of samples) in {compile_seconds:.1f} s; not in the timings below")
+        f"{len(variants)} packed variants (SP {', '.join(map(str, sizes))} x every recompute policy; one dynamo "
+        f"trace: every micro-batch is one packed row of any length) in {compile_seconds:.1f} s; not in the timings below")
 
-    # -------------------------------------------------------------- cost model and sampler
-    cost_model = tinygpt_cost_model()
-    if calibrate_cost_model:
-        start = time.perf_counter()
-        cost_model = calibrate(cost_model, compiled, model, sizes, device, seed)
-        report = cost_model.calibration
-        say(f"cost model: TinyGPT profile on {cost_model.hardware.name}, calibrated on "
-            f"{len(report.relative_errors)} timed micro-batches in {time.perf_counter() - start:.1f} s "
-            f"(max error {100 * report.max_relative_error:.0f}%; scales "
-            + ", ".join(f"{k} {v:.3g}" for k, v in report.scales.items()) + ")")
-    else:
-        say(f"cost model: TinyGPT profile on {cost_model.hardware.name}, uncalibrated")
-    largest_sp = sizes[-1]
-    max_tokens_per_rank = max(math.ceil(LONGEST / largest_sp), LONGEST // 2)
+    # -------------------------------------------------------------- cost model and the two setups
+    link = measure_communication(compiled, model, measured, world_size, device)
+    cost_model, memory_cap = demo_cost_model(measured, link, world_size)
+    static_policy = cost_model.fastest_feasible_recompute(LONGEST, world_size, memory_cap)
+    static_capacity = cost_model.token_capacity(world_size, static_policy, memory_cap)
+    static_variant = dcp.Variant(world_size, static_policy)
+    summary_fit = cost_model.measured.held_out_summary()
+    say(f"cost model: compute measured by dcp.profile on {cost_model.measured.device} ({len(measured)} processes at "
+        f"once, each point its slowest; held-out error median {100 * summary_fit[0]:.0f}%, worst "
+        f"{100 * summary_fit[1]:.0f}%), communication measured on this world (the SP-{world_size} variant's time "
+        f"less its profiled compute: {1e6 * link[0]:.0f} us per all-to-all, {link[1] / 1e9:.2f} GB/s), memory from "
+        f"the analytic model")
+    say(f"memory: a stand-in cap of {memory_cap / 1e6:.1f} MB per rank (this CPU has plenty; a GPU would not): the "
+        f"longest sample ({LONGEST} tokens) fits on all {world_size} ranks only with recompute={static_policy}; "
+        + ", ".join(f"SP {sp} holds {cost_model.token_capacity(sp, 'none', memory_cap)} tokens without recompute"
+                    for sp in sizes))
+
+
     sampler = dcp.DataCentricSampler(
-        lengths, tokens_per_step=tokens_per_step, cost_model=cost_model, max_tokens_per_rank=max_tokens_per_rank,
-        seed=seed, verify_plan=distributed, supervised_tokens=[n - 1 for n in lengths], max_sp_size=largest_sp,
+        lengths, tokens_per_step=tokens_per_step, cost_model=cost_model, memory_fraction=MEMORY_FRACTION,
+        seed=seed, verify_plan=distributed, supervised_tokens=[n - 1 for n in lengths], max_sp_size=sizes[-1],
     )
     if len(sampler) < steps:
         raise RuntimeError(f"the dataset has only {len(sampler)} steps; asked for {steps}")
     say(f"data: {len(dataset)} samples of {min(lengths)}..{max(lengths)} tokens (median "
-        f"{sorted(lengths)[len(lengths) // 2]}), {tokens_per_step:,} tokens per step; at most "
-        f"{max_tokens_per_rank} tokens per rank in a micro-batch (a stand-in for a GPU's memory cap: "
-        "longer sequences must run on an SP group)")
+        f"{sorted(lengths)[len(lengths) // 2]}), {tokens_per_step:,} tokens per step")
 
     # -------------------------------------------------------------- DCP and static SP, interleaved
     # Two trainings from the same initial weights, one step of each in turn (which one goes first
@@ -338,17 +415,22 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
     weights = {"dcp": initial_state, "static": {k: v.clone() for k, v in initial_state.items()}}
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE) for name in weights}
     results: dict[str, list[StepResult]] = {"dcp": [], "static": []}
+    all_dcp: list[dcp.MicroBatch] = []
+    all_static: list[dcp.MicroBatch] = []
     say("")
-    static_capacity = max_tokens_per_rank * world_size
-    say(f"=== training: each step runs twice from its own weights, with the DCP plan (SP size per "
-        f"micro-batch) and with static SP (the same samples repacked in arrival order to its own budget of "
-        f"{static_capacity} tokens per micro-batch, every one on ranks 0-{world_size - 1} at SP {world_size}) ===")
+    say(f"=== training: each step runs twice from its own weights, with the DCP plan (SP size and recompute per "
+        f"micro-batch) and with static SP (one setup for every micro-batch, chosen so the longest sample fits: SP "
+        f"{world_size}, recompute={static_policy}; the same samples sorted and packed to its own budget of "
+        f"{static_capacity} tokens per micro-batch) ===")
     for step in itertools.islice(sampler, steps):
         say("")
         say(str(step))
         every = [mb for group in step.groups for mb in group.microbatches]  # the same order on every rank
         static = static_microbatches(
-            [i for mb in every for i in mb.indices], lengths, static_capacity, world_size, static_variant)
+            sorted((i for mb in every for i in mb.indices), key=lengths.__getitem__), lengths, static_capacity,
+            world_size, static_variant)
+        all_dcp += every
+        all_static += static
         runs = {
             "dcp": [(mb, mb.variant, mb.group_ranks[0] == rank) for mb in step.microbatches],
             "static": [(mb, static_variant, rank == 0) for mb in static],
@@ -366,7 +448,8 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
                 for mb in every:
                     sp_counts[mb.sp_size] = sp_counts.get(mb.sp_size, 0) + 1
             else:
-                predicted = sum(cost_model.time([lengths[i] for i in mb.indices], world_size) for mb in static)
+                predicted = sum(cost_model.time([lengths[i] for i in mb.indices], world_size, static_policy)
+                                for mb in static)
                 predicted_ranks = [predicted] * world_size
                 sp_counts = {world_size: len(static)}
             result = StepResult(seconds=seconds, busy=busy_all, loss=loss, tokens=step.tokens,
@@ -381,11 +464,12 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
                 f"{result.tokens_per_s:,.0f} tokens/s"
             )
         say(lines["dcp"] + f"  [{len(every)} micro-batches, padding {100 * padding_fraction(every):.0f}%]")
-        say(lines["static"] + f"  [{len(static)} micro-batches at SP {world_size}, "
+        say(lines["static"] + f"  [{len(static)} micro-batches at SP {world_size}, recompute={static_policy}, "
             f"padding {100 * padding_fraction(static):.0f}%]")
     dcp_results, static_results = results["dcp"], results["static"]
 
-    summary = summarize(dcp_results, static_results, world_size)
+    mechanisms = mechanism_lines(cost_model, all_dcp, all_static, lengths, world_size, static_policy)
+    summary = summarize(dcp_results, static_results, world_size, mechanisms)
     say("")
     say(summary["table"])
     return {
@@ -395,6 +479,10 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
         "static": [r.__dict__ for r in static_results],
         "max_loss_difference": summary["max_loss_difference"],
         "speedup": summary["speedup"],
+        "predicted_speedup": summary["predicted_speedup"],
+        "paired_speedup": summary["paired_speedup"],
+        "prediction_errors": summary["prediction_errors"],
+        "static_policy": static_policy.value,
     }
 
 
@@ -412,10 +500,55 @@ def warm_up(compiled, model: torch.nn.Module, variants: Sequence[dcp.Variant], d
     model.zero_grad(set_to_none=True)
 
 
-def summarize(dcp_results: Sequence[StepResult], static_results: Sequence[StepResult], world_size: int) -> dict:
+def mechanism_lines(cost_model: dcp.CostModel, dcp_mbs: Sequence[dcp.MicroBatch], static_mbs: Sequence[dcp.MicroBatch],
+                    lengths: Sequence[int], world_size: int, static_policy: dcp.RecomputePolicy) -> list[str]:
+    """Where the difference comes from, priced by the same cost model that made the plans."""
+    silent = replace(cost_model, scales={**cost_model.scales, "communication": 0.0})
+
+    def priced(model: dcp.CostModel, mbs: Sequence[dcp.MicroBatch], policy: dcp.RecomputePolicy | None = None) -> float:
+        return sum(mb.sp_size * model.time([lengths[i] for i in mb.indices], mb.sp_size, policy or mb.recompute)
+                   for mb in mbs)
+
+    static_total = priced(cost_model, static_mbs)
+    static_recompute = static_total - priced(cost_model, static_mbs, dcp.RecomputePolicy.NONE)
+    static_communication = static_total - priced(silent, static_mbs)
+    dcp_total = priced(cost_model, dcp_mbs)
+    dcp_communication = dcp_total - priced(silent, dcp_mbs)
+    dcp_recompute = dcp_total - priced(cost_model, dcp_mbs, dcp.RecomputePolicy.NONE)
+    sp1 = sum(1 for mb in dcp_mbs if mb.sp_size == 1)
+    recomputed = sum(mb.tokens for mb in dcp_mbs if mb.recompute != dcp.RecomputePolicy.NONE)
+    tokens = sum(mb.tokens for mb in dcp_mbs)
+    return [
+        "Where the difference comes from (rank-seconds priced by the profiled cost model over all steps):",
+        f"  recompute: static SP recomputes every micro-batch ({static_policy}) because its longest sample needs it: "
+        f"{static_recompute:.2f} rank-s of {static_total:.2f}; DCP recomputes only where memory requires it "
+        f"({100 * recomputed / max(tokens, 1):.0f}% of its tokens): {dcp_recompute:.2f} rank-s",
+        f"  communication: static SP sends every token through {4 * 2 * LAYERS} all-to-alls per micro-batch: "
+        f"{static_communication:.2f} rank-s; DCP runs {sp1} of {len(dcp_mbs)} micro-batches on one rank, with no "
+        f"all-to-all: {dcp_communication:.2f} rank-s",
+    ]
+
+
+def paired_ratio(ratios: Sequence[float]) -> tuple[float, float, float]:
+    """Geometric mean of per-step ratios with its 95% t-interval (the interval is the mean itself
+    for a single step)."""
+    if not ratios:
+        return math.nan, math.nan, math.nan
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / len(logs)
+    if len(logs) < 2:
+        return math.exp(mean), math.exp(mean), math.exp(mean)
+    from scipy.stats import t
+
+    half = t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def summarize(dcp_results: Sequence[StepResult], static_results: Sequence[StepResult], world_size: int,
+              mechanisms: Sequence[str] = ()) -> dict:
     header = (f"{'step':>4}  {'tokens':>6}  {'DCP s':>7}  {'static s':>8}  {'DCP tok/s':>9}  "
               f"{'static tok/s':>12}  {'DCP/static':>10}  {'predicted':>9}  {'DCP loss':>8}  {'static loss':>11}")
-    lines = ["=== DCP vs static SP: same steps (static SP repacked to its own budget), same initial weights ===", header]
+    lines = ["=== DCP vs static SP: same steps, same initial weights (measured on this machine) ===", header]
     for index, (a, b) in enumerate(zip(dcp_results, static_results)):
         ratio = b.seconds / a.seconds if a.seconds > 0 else math.nan
         predicted = b.predicted / a.predicted if a.predicted > 0 else math.nan
@@ -427,40 +560,42 @@ def summarize(dcp_results: Sequence[StepResult], static_results: Sequence[StepRe
     dcp_seconds = sum(r.seconds for r in dcp_results)
     static_seconds = sum(r.seconds for r in static_results)
     speedup = static_seconds / dcp_seconds if dcp_seconds > 0 else math.nan
-    predicted = (sum(r.predicted for r in static_results) / sum(r.predicted for r in dcp_results)
-                 if dcp_results and sum(r.predicted for r in dcp_results) > 0 else math.nan)
+    dcp_predicted = sum(r.predicted for r in dcp_results)
+    static_predicted = sum(r.predicted for r in static_results)
+    predicted = static_predicted / dcp_predicted if dcp_predicted > 0 else math.nan
     lines.append(
         f"{'all':>4}  {tokens:>6,}  {dcp_seconds:>7.3f}  {static_seconds:>8.3f}  {tokens / dcp_seconds:>9,.0f}  "
         f"{tokens / static_seconds:>12,.0f}  {speedup:>9.2f}x  {predicted:>8.2f}x"
     )
+    dcp_busy = sum(max(r.busy) for r in dcp_results)
+    static_busy = sum(max(r.busy) for r in static_results)
+    dcp_error = dcp_predicted / dcp_busy - 1 if dcp_busy > 0 else math.nan
+    static_error = static_predicted / static_busy - 1 if static_busy > 0 else math.nan
     max_difference = max((abs(a.loss - b.loss) for a, b in zip(dcp_results, static_results)), default=0.0)
-    sp1_microbatches = sum(r.sp_sizes.get(1, 0) for r in dcp_results)
-    total_mbs = sum(r.microbatches for r in dcp_results)
+    paired, low, high = paired_ratio([b.seconds / a.seconds for a, b in zip(dcp_results, static_results) if a.seconds > 0])
     lines += [
         "",
-        "DCP/static > 1 means DCP was faster (throughput ratio, measured); 'predicted' is the cost model's ratio.",
-        f"Losses: max |DCP - static| = {max_difference:.2e}. Both runs train the same tokens in the same "
-        "micro-batches with the same loss weights, only the SP size differs, so they must agree to float "
+        f"DCP trained {speedup:.2f}x the tokens/s of static SP over {len(dcp_results)} steps (measured; the profiled "
+        f"cost model predicted {predicted:.2f}x). Step by step (each step's two runs back to back, so a slow phase "
+        f"of the machine hits both): {paired:.2f}x, 95% interval {low:.2f}-{high:.2f}x. Predicted vs measured busy "
+        f"time (forward + backward, slowest rank, summed over steps): DCP {100 * dcp_error:+.0f}%, static SP "
+        f"{100 * static_error:+.0f}% (the profile ran minutes earlier: a shared machine's load moves both alike).",
+        *mechanisms,
+        f"Losses: max |DCP - static| = {max_difference:.2e}. Both runs train the same samples with the same loss "
+        "weights; only the SP size, the recompute policy and the packing differ, so they must agree to float "
         "rounding: this is the demo's correctness check.",
-        f"DCP ran {sp1_microbatches} of {total_mbs} micro-batches on one rank (SP 1), the rest on SP groups; static SP ran "
-        f"all {total_mbs} on all {world_size} ranks.",
-        "What the numbers mean here: each rank is one single-threaded CPU process, and SP traffic (8 "
-        "all-to-alls per attention layer and micro-batch) goes over gloo on loopback. A micro-batch at SP 1 "
-        "skips that traffic and the per-call overhead of the sharded graph, and runs next to other ranks' "
-        "micro-batches; that is all DCP can win on 2 CPU processes. Single steps are noisy on a shared "
-        "machine (other processes, the OS): compare the totals, and rerun before reading much into them. "
-        "It predicts nothing about GPUs, where one device computes thousands of times faster than a CPU "
-        "thread, NVLink moves data ~100x faster than loopback TCP, and real memory caps (not a token cap set "
-        "by the demo) force the long sequences onto SP groups.",
-        "Micro-batches are packed rows (dcp.pack_sequences): the compiled model's attention runs the varlen "
-        "kernel over the sequence boundaries, so no computed position is padding, in both runs, which is "
-        "what the planner's cost model assumes (its cost is a sum over the packed sequences).",
+        "What the numbers mean here: each rank is one single-threaded CPU process and SP traffic goes over gloo on "
+        "loopback; the memory cap is a stand-in. The mechanisms are the ones that matter on GPUs (a memory cap that "
+        "forces recompute on a static setup, all-to-alls that short samples do not need), but the sizes of the "
+        "effects are this machine's: they predict nothing about a GPU cluster (see benchmarks/results/replay_*.md).",
     ]
-    return {"table": "\n".join(lines), "max_loss_difference": max_difference, "speedup": speedup}
+    return {"table": "\n".join(lines), "max_loss_difference": max_difference, "speedup": speedup,
+            "paired_speedup": (paired, low, high),
+            "predicted_speedup": predicted, "prediction_errors": (dcp_error, static_error)}
 
 
-def _worker(rank: int, world_size: int, steps: int, inner: str, seed: int) -> dict:
-    return train(rank, world_size, steps, inner, seed)
+def _worker(rank: int, world_size: int, steps: int, inner: str, seed: int, measured: Sequence[dict]) -> dict:
+    return train(rank, world_size, steps, inner, seed, measured=measured)
 
 
 def run_demo(world_size: int = 2, steps: int = 6, inner: str = "aot_eager", seed: int = 0) -> int:
@@ -468,17 +603,30 @@ def run_demo(world_size: int = 2, steps: int = 6, inner: str = "aot_eager", seed
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        world = int(os.environ["WORLD_SIZE"])
+        measured_here = profile_compute(world, inner, seed, progress=os.environ["RANK"] == "0",  # before the world
+                                        device=f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu")
         dist.init_process_group(backend)
         try:
-            train(dist.get_rank(), dist.get_world_size(), steps, inner, seed)
+            measured: list = [None] * world
+            dist.all_gather_object(measured, measured_here)
+            train(dist.get_rank(), world, steps, inner, seed, measured=measured)
         finally:
             dist.destroy_process_group()
         return 0
+    import multiprocessing
+
     from dcp_compile.testing.process_world import run_in_process_world
 
     print(f"dcp demo: {world_size}-process gloo world (one CPU thread each), TinyGPT, {steps} steps of "
           f"variable-length data, each trained with DCP plans and with static SP", flush=True)
     start = time.perf_counter()
-    run_in_process_world(_worker, world_size, steps, inner, seed, timeout=1800)
+    print(f"measuring compute: dcp.profile in {world_size} processes at once (every variant's per-rank work, "
+          f"lengths {', '.join(map(str, PROFILE_LENGTHS))}, and {', '.join(map(str, PROFILE_HELD_OUT))} held out) ...",
+          flush=True)
+    with multiprocessing.get_context("spawn").Pool(world_size) as pool:
+        measured = pool.map(_profile_process, [(world_size, inner, seed, index == 0) for index in range(world_size)])
+    print(f"... done in {time.perf_counter() - start:.0f} s", flush=True)
+    run_in_process_world(_worker, world_size, steps, inner, seed, measured, timeout=1800)
     print(f"total wall time {time.perf_counter() - start:.0f} s", flush=True)
     return 0

@@ -1,0 +1,44 @@
+"""The main job's cost model and its reading of the results, on synthetic profiles (the end-to-end
+run is ``tests/test_dcp_training.py::test_demo_runs_end_to_end``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dcp_compile as dcp
+from dcp_compile.demo import training_demo as demo
+from dcp_compile.schedule.measured_costs import MeasuredCosts, Measurement, fit_all
+
+
+def _profile(scale: float) -> dict:
+    points = [Measurement((n,), sp, policy, scale * (2e-3 + (1.3 if policy != "none" else 1.0) * 1e-5 * n / sp))
+              for sp in (1, 2) for policy in dcp.RecomputePolicy for n in (64, 256, 1024)]
+    return MeasuredCosts("test cpu", {"torch": torch.__version__}, fit_all(points), tuple(points)).to_dict()
+
+
+def test_cost_model_takes_each_point_at_the_slowest_process_and_a_cap_that_forces_recompute_on_static() -> None:
+    cost_model, cap = demo.demo_cost_model([_profile(1.0), _profile(1.5)], (1e-4, 1e9), world_size=2)
+    assert cost_model.measured.fit_for(1, "none").seconds([256]) == pytest.approx(1.5 * (2e-3 + 1e-5 * 256), rel=1e-6)
+    # The longest sample fits on the whole world only with full recompute, as the demo says.
+    assert cost_model.fastest_feasible_recompute(demo.LONGEST, 2, cap) == dcp.RecomputePolicy.FULL
+    assert cost_model.token_capacity(1, "none", cap) < demo.LONGEST
+    assert cost_model.hardware.intra_node_latency == 1e-4 and cost_model.hardware.gpus_per_node == 2
+    # SP 2 micro-batches pay the measured link: 4 all-to-alls x 2 passes x layers of latency at least.
+    assert cost_model.time([256], 2) > cost_model.measured.fit_for(2, "none").seconds([256]) + 8 * demo.LAYERS * 1e-4
+
+
+def test_paired_ratio_is_a_geometric_mean_with_an_interval() -> None:
+    mean, low, high = demo.paired_ratio([1.2, 1.3, 1.25, 1.15])
+    assert mean == pytest.approx(math.exp(sum(map(math.log, [1.2, 1.3, 1.25, 1.15])) / 4))
+    assert low < mean < high and low > 1.0
+    assert demo.paired_ratio([1.1]) == (pytest.approx(1.1),) * 3
+
+
+def test_mix_is_short_dominated_but_long_samples_carry_tokens() -> None:
+    lengths = demo.long_tailed_lengths(20000, seed=0)
+    assert sorted(lengths)[len(lengths) // 2] < 4 * demo.SHORTEST
+    assert max(lengths) > 0.9 * demo.LONGEST
+    assert sum(n for n in lengths if n > demo.LONGEST // 2) / sum(lengths) > 0.2
