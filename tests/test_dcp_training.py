@@ -233,3 +233,8 @@ def test_demo_runs_end_to_end(capfd) -> None:
     assert difference < 1e-4, out  # same micro-batches and weights: only the SP size differs
     table = out[out.index("=== DCP vs static SP"):]
     assert re.search(r"^\s+all\s", table, re.MULTILINE), table
+    # The cost model was measured (compute by dcp.profile, communication on the world) before it predicted.
+    assert re.search(r"compute measured by dcp\.profile .* held-out error median \d+%", out), out
+    assert "communication measured on this world" in out
+    assert re.search(r"DCP trained \d+\.\d\dx the tokens/s of static SP .* predicted \d+\.\d\dx", table), table
+    assert re.search(r"Step by step .*: \d+\.\d\dx, 95% interval", table), table

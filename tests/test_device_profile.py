@@ -40,6 +40,17 @@ def test_fit_recovers_the_separable_form_from_exact_points() -> None:
     assert fit.max_tokens == 1024
 
 
+def test_packed_rows_give_a_per_sequence_term_apart_from_the_fixed_one() -> None:
+    def seconds(lengths):
+        return 1e-3 + 4e-6 * sum(lengths) + 2e-9 * sum(n * n for n in lengths) + 5e-4 * (len(lengths) - 1)
+
+    rows = [(n,) for n in (64, 128, 256, 512, 1024)] + [(256,) * 4, (64,) * 16]
+    fit = fit_variant([Measurement(row, 1, "none", seconds(row)) for row in rows])
+    assert fit.per_sequence == pytest.approx(5e-4, rel=1e-3)
+    assert fit.fixed == pytest.approx(1e-3 - 5e-4, rel=1e-3)  # the first sequence's share is per_sequence
+    assert fit.seconds([30] * 30) == pytest.approx(seconds([30] * 30), rel=1e-3)
+
+
 def test_fit_refuses_mixed_variants_and_drops_the_quadratic_with_two_lengths() -> None:
     with pytest.raises(ValueError, match="one variant at a time"):
         fit_variant([Measurement((64,), 1, "none", 1.0), Measurement((64,), 2, "none", 1.0)])

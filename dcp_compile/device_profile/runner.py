@@ -36,10 +36,12 @@ def default_held_out_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
 
 
 def packed_rows(fit_lengths: Sequence[int], held_lengths: Sequence[int]) -> list[tuple[int, ...]]:
-    """Rows of several equal sequences: 4 x L/4 for the two longest fitted lengths (in the fit),
-    3 x L/3 for the longest held-out length (held out)."""
+    """Rows of several equal sequences: 4 x L/4 for the two longest fitted lengths and 16 x L/16
+    for the longest (in the fit); 3 x L/3 and 12 x L/12 for the longest held-out length (held
+    out: many short sequences in one row is how a static setup packs a short-dominated mix)."""
     rows = [(n // 4,) * 4 for n in sorted(fit_lengths)[-2:] if n >= 4]
-    rows += [(n // 3,) * 3 for n in sorted(held_lengths)[-1:] if n >= 3]
+    rows += [(n // 16,) * 16 for n in sorted(fit_lengths)[-1:] if n >= 16]
+    rows += [(n // parts,) * parts for n in sorted(held_lengths)[-1:] for parts in (3, 12) if n >= parts]
     return rows
 
 

@@ -181,10 +181,11 @@ def fit_variant(points: Sequence[Measurement]) -> VariantFit:
 
     Non-negative least squares on relative errors (each row divided by its measured seconds);
     columns scaled to unit norm first, since tokens and token-keys differ by orders of magnitude.
-    Needs points at three or more distinct lengths to tell the three terms apart; with fewer, the
-    quadratic term is dropped (a straight line through what there is). Where some points pack
-    several sequences (``packed`` profiles), a fourth term, ``per_sequence * sequences``, is fitted
-    too: what each sequence of a packed row costs by itself (its attention call, its bounds)."""
+    Needs three or more distinct lengths to tell the three terms apart; with fewer, the quadratic
+    term is dropped (a straight line through what there is). Where some points pack several
+    sequences (``packed`` profiles), a fourth term, ``per_sequence * sequences``, is fitted too;
+    rows of few long and of many short sequences (:func:`~dcp_compile.device_profile.runner.packed_rows`)
+    tell it apart from the per-token and the fixed terms."""
     if not points:
         raise ValueError("fit_variant needs at least one measurement")
     first = points[0]
