@@ -162,18 +162,17 @@ def test_profile_refuses_a_real_world_and_names_the_fix(tmp_path) -> None:
 
 @pytest.mark.slow  # four variants compiled and profiled: about 40 s on 2 free cores
 def test_readme_profile_block_runs_as_written(tmp_path, monkeypatch, capsys) -> None:
-    """The README's "Cost model: measured on your device" block, exactly as written, with the
-    fixtures its first line declares."""
+    """The guide's "Cost model: measured on your device" block (docs/cost-model.md), exactly as
+    written, with the fixtures its first line declares."""
     import re
-    from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("\n## Cost model: measured on your device\n", 1)[1].split("\n## ", 1)[0]
-    block = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    from doc_blocks import doc_block, run_python_block
+
+    block = doc_block("docs/cost-model.md", "Cost model: measured on your device")
     assert block.startswith("# needs: model, make_inputs")
     monkeypatch.chdir(tmp_path)
     torch.set_num_threads(1)
-    exec(compile(block, "README.md", "exec"), {"model": _tiny_model(), "make_inputs": _inputs, "inner": "aot_eager"})
+    run_python_block(block, "docs/cost-model.md", model=_tiny_model(), make_inputs=_inputs, inner="aot_eager")
     assert (tmp_path / "cost_model.json").exists()
     out = capsys.readouterr().out
     assert re.search(r"held-out error: median \d+%, worst \d+%; SP 4 is analytic prior scaled to sp=2/none", out), out

@@ -1,7 +1,7 @@
 """Never silent, never a hang: each way the ranks of a world can disagree, on 2 real gloo ranks.
 
 Every test runs its world under a hard timeout and asserts what *every* rank gets: a clear error
-naming the ranks and what differed, or the correct result. One row of the README's
+naming the ranks and what differed, or the correct result. One row of the guide's (docs/ranks.md)
 "When ranks disagree" table per test.
 """
 
@@ -328,20 +328,17 @@ def test_use_cache_true_warns_once_naming_use_cache_false(fake_world, monkeypatc
     assert len([r for r in caplog.records if "use_cache=False" in r.getMessage()]) == 1
 
 
-# --- the README's loop with fault_guard, as written --------------------------------------------
+# --- the guide's loop with fault_guard (docs/ranks.md), as written ---------------------------
 
 
-def _readme_fault_guard_block() -> str:
-    import re
-    from pathlib import Path
+def _guide_fault_guard_block() -> str:
+    from doc_blocks import doc_block
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("## When ranks disagree", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    return doc_block("docs/ranks.md", "The checks")
 
 
 class _LossOutput(nn.Module):
-    """Hands the README loop what it expects of a Hugging Face model: an output with ``.loss``."""
+    """Hands the guide's loop what it expects of a Hugging Face model: an output with ``.loss``."""
 
     def __init__(self, compiled: nn.Module) -> None:
         super().__init__()
@@ -357,6 +354,7 @@ def _readme_loop(rank: int, world_size: int, block: str) -> list[float]:
     import dcp_compile as dcp
     from dcp_compile.demo.example_models import TinyGPT
     from dcp_compile.schedule.sampler import DataCentricSampler
+    from doc_blocks import run_python_block
 
     dcp.create_sp_groups()
     torch.manual_seed(0)
@@ -377,12 +375,12 @@ def _readme_loop(rank: int, world_size: int, block: str) -> list[float]:
                                  max_tokens_per_rank=32, supervised_tokens=[len(s) - 1 for s in dataset])
     sp_sizes = sorted({group.sp_size for i in range(len(sampler)) for group in sampler.plan(i).groups})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    exec(block, {"dcp": dcp, "sampler": sampler, "model": _LossOutput(compiled), "collate": collate,
-                 "optimizer": optimizer})
+    run_python_block(block, "docs/ranks.md", sampler=sampler, model=_LossOutput(compiled), collate=collate,
+                     optimizer=optimizer)
     return {"parameters": [p.detach().sum().item() for p in model.parameters()], "sp_sizes": sp_sizes}
 
 
 def test_the_readme_fault_guard_loop_runs():
-    rank0, rank1 = run_in_process_world(_readme_loop, 2, _readme_fault_guard_block(), timeout=120, env=CHECK_WAIT)
+    rank0, rank1 = run_in_process_world(_readme_loop, 2, _guide_fault_guard_block(), timeout=120, env=CHECK_WAIT)
     assert 2 in rank0["sp_sizes"], rank0  # the SP-group check ran on real SP-2 micro-batches
     assert rank0["parameters"] == rank1["parameters"]

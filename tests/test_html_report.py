@@ -7,7 +7,7 @@ opened in headless Chromium, which must run the page's script with no console me
 the summary line. ``.ci/run`` installs Chromium from the Debian packages; the browser test is
 skipped only where no Chromium binary exists, and says so.
 
-Regenerate the README's screenshots with
+Regenerate the guide's screenshots (docs/report_*.png) with
 ``DCP_REPORT_SCREENSHOT_DIR=docs python -m pytest -q tests/test_html_report.py -k chromium``.
 """
 
@@ -33,6 +33,7 @@ from dcp_compile.report.graph_view import clean_module_path
 from dcp_compile.report.source_lines import source_line
 from dcp_compile.schedule.plan import Schedule, ScheduledMicroBatch, StepPlan
 from dcp_compile.variant import RecomputePolicy
+from doc_blocks import doc_block, run_python_block
 from model_zoo import ZOO
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,7 +43,7 @@ SVG = "{http://www.w3.org/2000/svg}"
 @pytest.fixture(scope="module")
 def zoo_reports(tmp_path_factory):
     """Compiled GPT and DiT (SP 2, aot_eager: saved bytes are measured), their records and reports.
-    The fake world stays up for the module so the README snippet can call the compiled GPT."""
+    The fake world stays up for the module so the guide's snippet can call the compiled GPT."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -56,7 +57,7 @@ def zoo_reports(tmp_path_factory):
             compiled = torch.compile(case.build(), backend="dcp", dynamic=True,
                                      options={"sp_size": 2, "inner": "aot_eager"})
             inputs = case.make_inputs(16)
-            if name == "gpt":  # model(input_ids=ids, labels=ids), as the README calls it (no recompile there)
+            if name == "gpt":  # model(input_ids=ids, labels=ids), as the guide calls it (no recompile there)
                 inputs["labels"] = inputs["input_ids"]
             record = dcp.explain(compiled, **inputs)
             path = out / f"report_{name}.html"
@@ -245,22 +246,17 @@ def test_plan_html_draws_every_micro_batch_of_sampled_steps(tmp_path):
         plan_html([], tmp_path / "empty.html")
 
 
-# --- README snippet and CLI -----------------------------------------------------------------
+# --- the guide's snippets (docs/inspection.md, "HTML report"), as written, and the CLI ---------
 
 
-def _readme_block(language: str) -> str:
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("### HTML report", 1)[1].split("\n## ", 1)[0]
-    return re.search(rf"```{language}\n(.*?)```", section, flags=re.S).group(1)
-
-
-def test_the_readme_snippet_runs(zoo_reports, tmp_path, monkeypatch):
+def test_the_guide_snippet_runs_as_written(zoo_reports, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     gpt = zoo_reports["gpt"]
     sampler = dcp.DataCentricSampler([64 * (1 + i % 16) for i in range(64)], tokens_per_step=4096,
                                      seed=0, world_size=2, rank=0)
     ids = gpt["inputs"]["input_ids"]
-    exec(_readme_block("python"), {"dcp": dcp, "model": gpt["compiled"], "ids": ids, "sampler": sampler})
+    run_python_block(doc_block("docs/inspection.md", "HTML report", 0), "docs/inspection.md",
+                     model=gpt["compiled"], ids=ids, sampler=sampler)
     report = (tmp_path / "dcp_report.html").read_text()
     assert gpt["record"].summary_lines()[0].split(": ", 1)[1] in _text(report)
     assert (tmp_path / "dcp_plan.html").read_text().count("<svg") == 2
@@ -305,12 +301,14 @@ def build():
 '''
 
 
-def test_the_cli_writes_a_report_for_a_factory_script(tmp_path):
+def test_the_guide_cli_command_writes_a_report_for_a_factory_script(tmp_path):
+    """The guide's shell block, as written, in a folder holding the ``my_model.py`` it needs."""
     (tmp_path / "my_model.py").write_text(textwrap.dedent(FACTORY))
-    command = _readme_block("bash").split()
-    assert command[:4] == ["python", "-m", "dcp_compile", "inspect"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, capture_output=True, text=True,
+    command = doc_block("docs/inspection.md", "HTML report", 1)
+    assert "python -m dcp_compile inspect my_model.py:build" in command
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}  # "python" is this one
+    result = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True,
                             timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sharded 2/2 attention sites" in result.stdout
