@@ -12,7 +12,7 @@
         dcp.sync_gradients(model)
         optimizer.step(); optimizer.zero_grad()
 
-(README.md, "Data-centric training", has this loop with its ``collate``; a test runs it as written.)
+(docs/training.md, "The data-centric loop", has this loop with its ``collate``; tests/test_readme.py runs it as written.)
 
 The package is four packages whose imports point one way:
 

@@ -18,7 +18,7 @@ ranks, short ones run alone, several to a micro-batch.
 The model is Wan's ``WanTransformer3DModel`` at a small random configuration: a video DiT with
 3D RoPE, so one model takes any frame count and resolution. (A Latte-style model learns a
 temporal position table for one fixed frame count, and CogVideoX 1.0 builds its sin-cos table with
-numpy inside ``forward``, which this library's tracer cannot shard yet; README "Real-model zoo".)
+numpy inside ``forward``, which this library's tracer cannot shard yet; docs/zoo.md.)
 The loss is the usual noise-prediction MSE at a random timestep.
 
 Clips of different shapes cannot be stacked, so ``collate`` groups a micro-batch's clips by shape

@@ -24,7 +24,7 @@ def fake_world():
 
 
 # --- the CI time budget for slow cases ---------------------------------------------------------
-# The suite must stay inside CI's time (README: "tests"). Cases marked slow run last, and only
+# The suite must stay inside CI's time (README.md: the test command). Cases marked slow run last, and only
 # while the session is inside DCP_TEST_BUDGET_S seconds (default 20 minutes, so the whole run ends inside 25); any left then are
 # reported as skipped with that reason, never as passed. `pytest -m slow` runs them all.
 import time

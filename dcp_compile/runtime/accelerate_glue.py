@@ -47,7 +47,7 @@ def _check_accelerator(accelerator: Any) -> None:
         raise ValueError(
             f"dcp: Accelerate's {accelerator.distributed_type.value} reduces gradients inside backward per micro-batch; "
             "data-centric steps need one SUM per step. Launch without it (plain multi-GPU/CPU), or shard "
-            "parameters with dcp.shard_model (README, FSDP2)"
+            "parameters with dcp.shard_model (docs/training.md, FSDP2)"
         )
 
 

@@ -82,7 +82,7 @@ class DataCentricTrainer(Trainer):
             raise TypeError("DataCentricTrainer needs dcp_args=dcp.huggingface.DataCentricArguments(tokens_per_step=...)")
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError("DataCentricTrainer replaces DDP with dcp.sync_gradients and does not run under DeepSpeed "
-                             "or the Trainer's FSDP; drop those TrainingArguments (FSDP2: see the README's FSDP2 loop)")
+                             "or the Trainer's FSDP; drop those TrainingArguments (FSDP2: see the FSDP2 loop in docs/training.md)")
         self.dcp_args = dcp_args
         self.step_loader: DataCentricStepLoader | None = None
         self.compiled_model: torch.nn.Module | None = None
@@ -151,7 +151,7 @@ class DataCentricTrainer(Trainer):
         if self.compiled_model is None:
             import dcp_compile as dcp
 
-            dcp.watch_parameters(self.model)  # graph breaks: exact from the first step (README limitation)
+            dcp.watch_parameters(self.model)  # graph breaks: exact from the first step (docs/limitations.md)
             self.compiled_model = torch.compile(self.model, backend="dcp", dynamic=True,
                                                 options=dict(self.dcp_args.compile_options))
         return self.compiled_model

@@ -1072,7 +1072,7 @@ QUICK = {  # about a minute each on CI's 2 cores: the rest run after them while 
     "flux", "mixtral-sdpa-nocache",  # joint text+image attention; MoE dispatch on the rank's own tokens
 }
 
-# Cases with a known sharding gap, by mechanism (see README "Known limitations" and
+# Cases with a known sharding gap, by mechanism (see docs/limitations.md and
 # benchmarks/results/real_model_zoo.md). They are expected to fail the sharding assertions (never
 # parity: a gap means extra gathers or an unsharded site, which stay exact); non-strict because a
 # fix of the mechanism turns them green one by one. The next plan takes them from here.
