@@ -1,0 +1,173 @@
+"""Time to the first training step: ``backend="dcp"`` against plain ``torch.compile``.
+
+For a tiny Hugging Face Llama and a small diffusers DiT (the real-model zoo's ``llama-sdpa`` and
+``dit`` cases), each with the same inner compiler on both sides:
+
+* **plain**: ``torch.compile(model, dynamic=True, backend=<inner>)``; the first forward and
+  backward, from a cold compile cache.
+* **dcp**: ``torch.compile(model, backend="dcp", dynamic=True, options={"inner": <inner>})`` on a
+  one-process fake world of 2 ranks (collectives move no data: this is the compile work, not a
+  distributed run), from its own cold cache. The first step runs the SP-2 variant; each further
+  variant (SP 1, SP 2 with full recompute, SP 1 with attention recompute) is timed at its first
+  call, as a training run meets it, with the caches the earlier variants warmed.
+
+Every configuration runs in a fresh subprocess with fresh ``TORCHINDUCTOR_CACHE_DIR`` and
+``TRITON_CACHE_DIR``. A second step is timed too (no compile). Results are *measured* on the
+machine that runs it, which the report names; on a shared machine expect run-to-run noise.
+
+    PYTHONPATH=. python benchmarks/compile_time.py --inner inductor aot_eager \\
+        --out benchmarks/results/compile_time.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODELS = {"llama": ("llama-sdpa", 64), "dit": ("dit", 64)}  # zoo case, about this many tokens
+DCP_VARIANTS = ((2, "none"), (1, "none"), (2, "full"), (1, "attention"))  # the first is the first step
+
+
+def _step(compiled, inputs, loss_of) -> float:
+    start = time.perf_counter()
+    loss = loss_of(compiled(**inputs))
+    loss.backward()
+    return time.perf_counter() - start
+
+
+def worker(model_name: str, mode: str, inner: str) -> dict:
+    """One configuration in this process; returns the timings."""
+    import torch
+
+    torch.set_num_threads(max(1, int(os.environ.get("COMPILE_TIME_THREADS", "2"))))
+    from dcp_compile.testing.real_models import CASES
+
+    case_name, tokens = MODELS[model_name]
+    case = CASES[case_name]
+    model = case.build()
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        model.config.use_cache = False  # training keeps no K/V cache (dcp warns, and gathers one, otherwise)
+    inputs, actual = case.make_inputs(tokens, seed=0)
+    later_inputs, _ = case.make_inputs(tokens + 6, seed=1)  # another length: no recompile expected
+    result = {"model": model_name, "case": case_name, "mode": mode, "inner": inner, "tokens": actual,
+              "torch": torch.__version__}
+    if mode == "plain":
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=inner, dynamic=True)
+        result["first_step_s"] = _step(compiled, inputs, case.loss_of)
+        result["next_step_s"] = _step(compiled, later_inputs, case.loss_of)
+        return result
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import dcp_compile as dcp
+
+    os.environ.setdefault("DCP_PROGRESS", "0")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": inner})
+        variants = []
+        for sp_size, recompute in DCP_VARIANTS:
+            with dcp.use(dcp.Variant(sp_size, recompute)):
+                seconds = _step(compiled, inputs, case.loss_of)
+            variants.append({"variant": f"sp={sp_size}/recompute={recompute}", "first_call_s": seconds})
+        with dcp.use(dcp.Variant(*DCP_VARIANTS[0])):
+            result["next_step_s"] = _step(compiled, later_inputs, case.loss_of)
+        result["first_step_s"] = variants[0]["first_call_s"]
+        result["variants"] = variants
+    finally:
+        dist.destroy_process_group()
+    return result
+
+
+def run_isolated(model_name: str, mode: str, inner: str, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="compile_time_") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        command = [sys.executable, __file__, "--worker", model_name, mode, inner]
+        started = time.perf_counter()
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"model": model_name, "mode": mode, "inner": inner, "error": f"over {timeout:.0f}s"}
+        wall = time.perf_counter() - started
+    if done.returncode != 0:
+        last = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:] or ["?"]
+        return {"model": model_name, "mode": mode, "inner": inner, "error": last[0][:300]}
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["process_s"] = wall
+    return result
+
+
+def markdown(results: list[dict], machine: str) -> str:
+    lines = [
+        "# Time to the first step: dcp vs plain torch.compile",
+        "",
+        f"**Measured** on {machine}, torch {results[0].get('torch', '?')}, by `benchmarks/compile_time.py` "
+        "(each configuration in a fresh process with a cold Inductor/Triton cache; dcp on a one-process "
+        "fake world of 2 ranks, so its SP-2 variants compute one rank's share and move no data). "
+        "Goal (issue 25): first step <= 1.5x plain, each further variant <= 0.5x plain's first step.",
+        "",
+        "| model | inner | plain first step (s) | dcp first step, SP 2 (s) | ratio | further variants: first call (s), ratio to plain | plain / dcp next step (s) |",
+        "| --- | --- | ---: | ---: | ---: | --- | --- |",
+    ]
+    by_key = {(r["model"], r["inner"], r["mode"]): r for r in results}
+    for model_name in MODELS:
+        for inner in sorted({r["inner"] for r in results}):
+            plain, dcp = by_key.get((model_name, inner, "plain")), by_key.get((model_name, inner, "dcp"))
+            if plain is None or dcp is None:
+                continue
+            if "error" in plain or "error" in dcp:
+                cells = [r.get("error") or f"{r['first_step_s']:.1f}" for r in (plain, dcp)]
+                lines.append(f"| {model_name} | {inner} | {cells[0]} | {cells[1]} | - | - | - |")
+                continue
+            base = plain["first_step_s"]
+            further = "; ".join(f"{v['variant']}: {v['first_call_s']:.1f} ({v['first_call_s'] / base:.2f}x)"
+                                for v in dcp["variants"][1:])
+            lines.append(f"| {model_name} ({dcp['case']}, {dcp['tokens']} tokens) | {inner} | {base:.1f} | "
+                         f"{dcp['first_step_s']:.1f} | {dcp['first_step_s'] / base:.2f}x | {further} | "
+                         f"{plain['next_step_s']:.3f} / {dcp['next_step_s']:.3f} |")
+    lines += ["", "Raw results:", "", "```json", json.dumps(results, indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--inner", nargs="+", default=["inductor"], choices=["inductor", "aot_eager", "eager"])
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
+    parser.add_argument("--out", type=Path, default=None, help="write the Markdown report here")
+    parser.add_argument("--worker", nargs=3, metavar=("MODEL", "MODE", "INNER"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(*args.worker)))
+        return 0
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs visible ({platform.node()})"
+    results = []
+    for model_name in args.models:
+        for inner in args.inner:
+            for mode in ("plain", "dcp"):
+                result = run_isolated(model_name, mode, inner, args.timeout)
+                print(json.dumps(result), flush=True)
+                results.append(result)
+                if args.out:  # partial results survive an interrupted run
+                    args.out.write_text(markdown(results, machine))
+    report = markdown(results, machine)
+    print(report)
+    if args.out:
+        args.out.write_text(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
