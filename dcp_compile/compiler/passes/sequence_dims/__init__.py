@@ -21,8 +21,8 @@ run on a chunk, *attention* runs under Ulysses, *sequence-mixing* ops are gather
 from __future__ import annotations
 
 from dcp_compile.compiler.passes.sequence_dims import (  # noqa: F401  (each registers its rules)
-    attention_rules, elementwise_rules, grid_rules, indexing_rules, matmul_rules, reduction_rules, token_sets,
-    view_rules,
+    attention_rules, elementwise_rules, grid_rules, indexing_rules, inplace_writes, matmul_rules, reduction_rules,
+    schema_reductions, token_sets, view_rules,
 )
 from dcp_compile.compiler.passes.sequence_dims.model import (
     GridRegion, NodeRole, Rewrite, Role, SequenceAnalysis, SequenceDim, TokenPositions,

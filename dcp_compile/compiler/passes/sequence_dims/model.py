@@ -188,6 +188,9 @@ class SequenceAnalysis:
     grid_members: dict[fx.Node, GridRegion] = field(default_factory=dict)
     grid_exits: dict[fx.Node, GridRegion] = field(default_factory=dict)
     refused_grids: dict[fx.Node, str] = field(default_factory=dict)
+    # Members of buffers written in place whose writes no rule proved chunk-aligned, with why
+    # (see inplace_writes): they run on the full sequence.
+    written_aliases: dict[fx.Node, str] = field(default_factory=dict)
 
     def dims_of(self, node: Any, index: int | None = None) -> tuple[SequenceDim, ...]:
         role = self.roles.get(node) if isinstance(node, fx.Node) else None

@@ -30,6 +30,7 @@ from dcp_compile.compiler.passes.sequence_dims.registry import classify, mixing,
 from dcp_compile.compiler.passes.sequence_dims.symbolic import (
     equal, expression, is_empty, normalize, size_hint, traced_size, value_of,
 )
+from dcp_compile.compiler.passes.sequence_dims.inplace_writes import unproven_writes
 from dcp_compile.compiler.passes.sequence_dims.token_hints import token_dims_from_attention
 
 aten = torch.ops.aten
@@ -109,15 +110,24 @@ def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite],
     parameters = frozenset(placeholders[i] for i in parameter_indices if i < len(placeholders))
     graph = fx_to_networkx(gm.graph)
     refused: dict[fx.Node, str] = {}
+    written: dict[fx.Node, str] = {}
     while True:
         # A grid region found to read a sequence-indexed value from outside only once the
         # propagation reaches that member is refused, and the analysis starts over without it.
+        # Likewise a buffer written in place that the rules did not prove chunk-aligned: its
+        # members are forced onto the full sequence (see inplace_writes) and the analysis reruns.
         try:
-            return propagate(sites, SequenceAnalysis(length=length, graph=graph, parameters=parameters,
-                                                     refused_grids=dict(refused)))
+            analysis = propagate(sites, SequenceAnalysis(length=length, graph=graph, parameters=parameters,
+                                                         refused_grids=dict(refused), written_aliases=dict(written)))
         except GridRegionRefused as refusal:
             refused[refusal.entry] = refusal.reason
             log.info("dcp: %s gathers: no grid window: %s", refusal.entry.name, refusal.reason)
+            continue
+        forced = unproven_writes(analysis, gm.graph) if analysis.length is not None else {}
+        if not forced:
+            return analysis
+        written.update(forced)
+        log.info("dcp: %d values written in place run on the full sequence", len(forced))
 
 
 def propagate(sites: list[AttentionSite], analysis: SequenceAnalysis) -> SequenceAnalysis:

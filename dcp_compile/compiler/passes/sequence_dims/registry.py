@@ -56,6 +56,8 @@ class Stage(Enum):
     ATTENTION_REGION = "the output of a hand-written attention"
     GRID_ENTRY = "a reshape that splits the tokens into a grid (may open a grid window)"
     GROUPED_MATMUL = "a grouped matmul (an MoE's experts)"
+    SCHEMA_REDUCTION = "a reduction with no rule of its own, read off its schema (dim, keepdim) and shapes"
+    WRITTEN_ALIAS = "a buffer (or a view of one) written in place where no rule proved the write chunk-aligned"
 
 
 STAGE_RULES: dict[Stage, StageRule] = {}
@@ -225,7 +227,8 @@ def classify(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     """The role of ``node``, given its inputs' roles. The first link that applies decides:
 
     1. an op over token-set values alone stays a token-set value;
-    2. a graph input or attribute is a source where it has the sequence's size;
+    2. a graph input or attribute is a source where it has the sequence's size; a buffer written
+       in place where no rule proved the write chunk-aligned is mixing (``Stage.WRITTEN_ALIAS``);
     3. a grid window's exit, then a grid window's member (``Stage.GRID_EXIT``, ``GRID_MEMBER``);
     4. a hand-written attention's output (``Stage.ATTENTION_REGION``); its other nodes are
        attention (they run on the rank's heads with it);
@@ -233,7 +236,9 @@ def classify(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     6. the op's rule (``RULES``); a reshape that splits the tokens may first open a grid window
        (``Stage.GRID_ENTRY``);
     7. an elementwise op (``pointwise``);
-    8. anything else over the sequence: sequence-mixing, "no sharding rule".
+    8. a reduction read off its schema and shapes (``Stage.SCHEMA_REDUCTION``: token-local over
+       other dimensions, whatever the op);
+    9. anything else over the sequence: sequence-mixing, "no sharding rule".
 
     Then :func:`_settle` corrects what a rule cannot see: a value created with the sequence's
     size is a source, and a second sequence dimension appearing makes the op mixing.
@@ -243,6 +248,8 @@ def classify(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
         return from_sets
     if node.op in ("placeholder", "get_attr"):
         return sized_source(node, analysis)
+    if node in analysis.written_aliases:
+        return _settle(node, analysis, STAGE_RULES[Stage.WRITTEN_ALIAS](node, analysis), True)
     if node in analysis.grid_exits:
         return STAGE_RULES[Stage.GRID_EXIT](node, analysis)
     if node in analysis.grid_members:
@@ -266,6 +273,8 @@ def classify(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
         result = RULES[target](node, analysis)
     elif is_pointwise(target):
         result = pointwise(node, analysis) if has_sequence_input else NodeRole(Role.NONE)
+    elif has_sequence_input and (reduction := STAGE_RULES[Stage.SCHEMA_REDUCTION](node, analysis)) is not None:
+        result = reduction
     elif has_sequence_input:
         result = mixing(f"no sharding rule for {op_name(node)}")
     else:

@@ -20,6 +20,7 @@ from dcp_compile.compiler import collectives
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import SDPA
 from dcp_compile.compiler.passes.sequence_dims import VIEWS, GridRegion, Role, SequenceAnalysis, SequenceDim, expression
+from dcp_compile.compiler.passes.sequence_dims.inplace_writes import alias_groups
 from dcp_compile.compiler.passes.shard_sequence.lowerings import LOWERINGS, CannotShard, GatherRecord
 from dcp_compile.compiler.passes.shard_sequence.plan import ShardPlan
 from dcp_compile.compiler.sequence_chunks import chunk_start
@@ -68,9 +69,11 @@ NOT_REPLAYED = {SDPA, aten.linear.default, aten.mm.default, aten.bmm.default, at
                 aten.embedding.default}
 
 
-def _replay_order(node: fx.Node, full: dict, chunk: dict, limit: int) -> list[fx.Node] | None:
+def _replay_order(node: fx.Node, full: dict, chunk: dict, limit: int,
+                  written: frozenset[fx.Node] = frozenset()) -> list[fx.Node] | None:
     """The chunked ancestors of ``node`` to recompute on full values, in order; None when that
-    would replay a differentiable value, an expensive op, or more than ``limit`` ops."""
+    would replay a differentiable value, an expensive op, more than ``limit`` ops, or a buffer
+    written in place (a replay would recompute it without its writes)."""
     order: list[fx.Node] = []
     seen: set[fx.Node] = set()
 
@@ -79,7 +82,7 @@ def _replay_order(node: fx.Node, full: dict, chunk: dict, limit: int) -> list[fx
             return True
         seen.add(n)
         value = n.meta.get("val")
-        if (n not in chunk or n.op != "call_function" or n.target in NOT_REPLAYED
+        if (n not in chunk or n.op != "call_function" or n.target in NOT_REPLAYED or n in written
             or (isinstance(value, torch.Tensor) and value.requires_grad)
                 or (isinstance(value, (tuple, list)))):
             return False
@@ -139,6 +142,10 @@ class ShardingInterpreter(fx.Interpreter):
         self.replicated_sites: list[str] = []
         self.unsharded_sites: list[tuple[str, str]] = []
         self.grid_windows: dict[fx.Node, Any] = {}  # grid entry -> outermost steps in this rank's window
+        # Buffers written in place on chunks (see sequence_dims/inplace_writes): write -> its
+        # alias group, whose full copies (gathered before the write) go stale when it runs.
+        self.write_groups = {write: group.members for group in alias_groups(gm.graph) for write in group.writes}
+        self.written = frozenset().union(*self.write_groups.values()) if self.write_groups else frozenset()
 
     # --- layout conversions --------------------------------------------------------------
 
@@ -311,7 +318,7 @@ class ShardingInterpreter(fx.Interpreter):
         which costs no collective. Only values that need no gradient are replayed: a replicated
         copy of a differentiable value would count its gradient once per rank.
         """
-        order = _replay_order(node, self.full, self.chunk, REPLAY_LIMIT)
+        order = _replay_order(node, self.full, self.chunk, REPLAY_LIMIT, self.written)
         if order is None:
             return None
         for n in order:
@@ -350,6 +357,12 @@ class ShardingInterpreter(fx.Interpreter):
                 try:
                     value = self._run_sharded(n)
                 except (CannotShard, UnknownSymbol) as why:
+                    if n in self.write_groups:
+                        # On gathered copies the write would never reach the buffer's chunk.
+                        raise RuntimeError(
+                            f"dcp: the in-place write {describe_node(n)} cannot run on this rank's chunk ({why}) "
+                            "and would be lost on a gathered copy; write out of place (torch.where, cat, "
+                            "slice_scatter) or report this model") from None
                     # No rule fits this op on chunks: gather its inputs, run it full, and let its
                     # consumers take their chunks of the result. The rest stays sharded.
                     self.local_fallbacks.append(f"{n.name} ({_op_label(n)}): {why}")
@@ -362,6 +375,8 @@ class ShardingInterpreter(fx.Interpreter):
                     self.full[n] = value  # a rewrite reduces over the sequence: its result is full
                 else:
                     self.chunk[n] = value
+                for member in self.write_groups.get(n, ()):
+                    self.full.pop(member, None)  # written on the chunk: a gathered copy is stale
                 return value
             region = self.analysis.grid_members.get(n)
             if region is not None and region.entry in self.grid_windows:

@@ -1,0 +1,287 @@
+"""Small programs over a sequence-indexed tensor between attention layers, for differential tests.
+
+A program is a tuple of op names (picklable, so a spawned rank can rebuild it); ``ProgramModel``
+runs ``attention, op_1, ..., op_n, attention`` on ``[B, S, D]`` activations. Each op keeps the
+shape ``[B, S, D]`` so that any sequence composes. ``TOKEN_LOCAL`` ops keep positions apart;
+``MIXING`` ops read across positions, each in a different spelling (slice assignment into a
+buffer, ``index_put_``, scatter, roll, convolutions over positions, sorts, reductions): the
+compiler must shard the first and gather (or exactly rewrite) the second, never be wrong.
+
+:func:`program_worker` compiles every program once on a gloo world and checks each length against
+eager in the same process: outputs, SP-group-summed gradients, and the sharding record.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+D, HEADS = 16, 2
+Op = Callable[["ProgramModel", torch.Tensor], torch.Tensor]
+
+
+def _positions(h: torch.Tensor) -> torch.Tensor:
+    return torch.arange(h.shape[1], device=h.device)
+
+
+def _shift_by_slice_assignment(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    # A multi-token-prediction head's look-ahead: a shifted copy written into a fresh buffer.
+    n = h.shape[1]
+    out = torch.full_like(h, 0.5)
+    out[:, : n - 1] = h[:, 1:]
+    return out
+
+
+def _shift_right_by_slice_assignment(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(h)
+    out[:, 1:] = h[:, :-1]
+    return out
+
+
+def _copy_into_view(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    out = h.clone()
+    out.narrow(1, 0, 1).copy_(h[:, -1:])
+    return out
+
+
+def _index_put_along_sequence(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(h)
+    out.index_put_((torch.arange(h.shape[0])[:, None], _positions(h).flip(0)[None, :]), h)
+    return out
+
+
+def _index_put_accumulate(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    index = _positions(h) // 2
+    out = torch.zeros_like(h)
+    return out.index_put((torch.arange(h.shape[0])[:, None], index[None, :]), h, accumulate=True)
+
+
+def _scatter_along_sequence(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    index = _positions(h).flip(0)[None, :, None].expand_as(h)
+    return torch.zeros_like(h).scatter(1, index, h)
+
+
+def _gather_along_sequence(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    index = (_positions(h) // 2)[None, :, None].expand_as(h)
+    return torch.gather(h, 1, index)
+
+
+def _index_select_along_sequence(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    return h.index_select(1, _positions(h).flip(0))
+
+
+def _narrow_cat(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    return torch.cat([h.narrow(1, 1, h.shape[1] - 1), h.narrow(1, 0, 1)], dim=1)
+
+
+def _pad_shift(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    return F.pad(h[:, :-1], (0, 0, 1, 0))
+
+
+def _conv_over_positions(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    return m.conv(h.transpose(1, 2)).transpose(1, 2)
+
+
+def _strided_conv_over_positions(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    # An audio encoder's downsampling (stride 2), brought back to S positions for the next layer.
+    n = h.shape[1]
+    down = m.strided_conv(h.transpose(1, 2)).transpose(1, 2)
+    return down.repeat_interleave(2, dim=1)[:, :n]
+
+
+def _sort_over_positions(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    order = h[..., :1].argsort(dim=1)
+    return torch.gather(h, 1, order.expand_as(h))
+
+
+def _topk_over_positions(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    values, _ = h.topk(1, dim=1)
+    return h - values
+
+
+def _unfold_over_positions(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    windows = F.pad(h, (0, 0, 0, 1)).unfold(1, 2, 1)  # [B, S, D, 2]
+    return windows.mean(-1)
+
+
+def _positional_mask(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    n = h.shape[1]
+    keep = _positions(h) < (n // 2)
+    return h * keep[None, :, None]
+
+
+def _fold_into_batch(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    b, n, d = h.shape
+    pairs = F.pad(h, (0, 0, 0, n % 2)).reshape(b * ((n + 1) // 2), 2, d)  # folds neighbouring positions
+    mixed = pairs.flip(1).reshape(b, -1, d)
+    return mixed[:, :n]
+
+
+MIXING: dict[str, Op] = {
+    "shift_slice_assign": _shift_by_slice_assignment,
+    "shift_right_slice_assign": _shift_right_by_slice_assignment,
+    "copy_into_view": _copy_into_view,
+    "index_put_": _index_put_along_sequence,
+    "index_put_accumulate": _index_put_accumulate,
+    "scatter": _scatter_along_sequence,
+    "gather": _gather_along_sequence,
+    "index_select": _index_select_along_sequence,
+    "roll": lambda m, h: torch.roll(h, 1, dims=1),
+    "flip": lambda m, h: h.flip(1),
+    "narrow_cat": _narrow_cat,
+    "pad_shift": _pad_shift,
+    "cumsum": lambda m, h: h.cumsum(1) / h.shape[1],
+    "cumprod": lambda m, h: torch.tanh(h).cumprod(1),
+    "conv1d": _conv_over_positions,
+    "strided_conv1d": _strided_conv_over_positions,
+    "sort": _sort_over_positions,
+    "topk": _topk_over_positions,
+    "unfold": _unfold_over_positions,
+    "positional_mask": _positional_mask,
+    "mean_over_sequence": lambda m, h: h - h.mean(1, keepdim=True),
+    "max_over_sequence": lambda m, h: h - h.amax(1, keepdim=True),
+    "fold_into_batch": _fold_into_batch,
+}
+
+
+def _feature_slice_assign(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    out = h.clone()
+    out[..., :4] = 0.0
+    return out
+
+
+def _inplace_scale(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    out = h.clone()
+    out.mul_(2.0).add_(1.0)
+    return out
+
+
+def _flatten_tokens(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    b, n, d = h.shape
+    return m.linear(h.reshape(b * n, d)).reshape(b, n, d)
+
+
+TOKEN_LOCAL: dict[str, Op] = {
+    "gelu": lambda m, h: F.gelu(h),
+    "linear": lambda m, h: m.linear(h),
+    "layer_norm": lambda m, h: m.norm(h),
+    "vector_norm": lambda m, h: h / torch.linalg.vector_norm(h, dim=-1, keepdim=True).clamp_min(1e-6),
+    "feature_slice_assign": _feature_slice_assign,
+    "inplace_scale": _inplace_scale,
+    "flatten_tokens": _flatten_tokens,
+    "feature_cumsum": lambda m, h: h.cumsum(-1) / D,
+}
+
+OPS: dict[str, Op] = {**TOKEN_LOCAL, **MIXING}
+
+
+class ProgramModel(nn.Module):
+    """``attention, *ops, attention`` over ``[B, S, D]``; the loss is the mean square output."""
+
+    def __init__(self, program: tuple[str, ...], causal: bool = True) -> None:
+        super().__init__()
+        self.program, self.causal = tuple(program), causal
+        self.qkv = nn.ModuleList(nn.Linear(D, 3 * D) for _ in range(2))
+        self.out = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+        self.linear, self.norm = nn.Linear(D, D), nn.LayerNorm(D)
+        self.conv = nn.Conv1d(D, D, 3, padding=1)
+        self.strided_conv = nn.Conv1d(D, D, 3, stride=2, padding=1)
+
+    def attention(self, index: int, h: torch.Tensor) -> torch.Tensor:
+        b, n, _ = h.shape
+        q, k, v = self.qkv[index](h).view(b, n, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return h + self.out[index](a.transpose(1, 2).reshape(b, n, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attention(0, x)
+        for name in self.program:
+            h = OPS[name](self, h)
+        return self.attention(1, h)
+
+
+def build(program: tuple[str, ...]) -> ProgramModel:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return ProgramModel(program)
+
+
+def inputs(length: int, batch: int = 2) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(length)
+    return torch.randn(batch, length, D, generator=generator)
+
+
+def run(model: nn.Module, call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+        group: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = call(x)
+    out.square().mean().backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad.detach().clone()
+            if group is not None and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(grad)
+            grads[name] = grad
+    return out.detach(), grads
+
+
+def check_program(program: tuple[str, ...], lengths: list[int], rtol: float = 1e-5,
+                  atol: float = 1e-5) -> tuple[list[str], dict[str, Any]]:
+    """Parity problems of one program at ``lengths`` and what its SP>1 variants did."""
+    import dcp_compile as dcp
+    from dcp_compile.testing.sharding_checks import sharding_problems
+
+    problems: list[str] = []
+    seen: dict[str, Any] = {"sharded_sites": 0, "unsharded": [], "gathers": [], "attention_sites": 0}
+    torch._dynamo.reset()
+    model = build(program)
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager"})
+    for length in lengths:
+        label = f"{'+'.join(program) or 'identity'}@{length}"
+        try:
+            eager_model = build(program)
+            reference = run(eager_model, eager_model, inputs(length))
+            records = dcp.explain(compiled, inputs(length))
+            actual = run(model, compiled, inputs(length), group=True)
+        except Exception:
+            problems.append(f"{label}: raised\n{traceback.format_exc()}")
+            continue
+        (out_ref, grads_ref), (out, grads) = reference, actual
+        if out.shape != out_ref.shape or not torch.allclose(out, out_ref, rtol=rtol, atol=atol):
+            error = (out - out_ref).abs().max().item() if out.shape == out_ref.shape else float("nan")
+            problems.append(f"{label}: SILENTLY WRONG output (max abs error {error:.3g})")
+        for name, expected in grads_ref.items():
+            got = grads.get(name)
+            if got is None or not torch.allclose(got, expected, rtol=rtol, atol=atol):
+                error = float("nan") if got is None else (got - expected).abs().max().item()
+                problems.append(f"{label}: SILENTLY WRONG grad {name} (max abs error {error:.3g})")
+        problems += [f"{label}: {p}" for p in sharding_problems(records, gather_budget=8)]
+        for variant in records.variant_records():
+            if variant.sp_size == 1:
+                continue
+            seen["attention_sites"] += variant.attention_sites
+            seen["sharded_sites"] += len(variant.sharded_sites)
+            seen["unsharded"] += list(variant.unsharded_sites)
+            seen["gathers"] += [getattr(g, "reason", str(g)) for g in variant.gathers]
+            if variant.fallback_reason is not None:
+                problems.append(f"{label}: not sharded: {variant.fallback_reason}")
+            for gather in variant.gathers:
+                if not getattr(gather, "reason", ""):
+                    problems.append(f"{label}: a gather without a reason: {gather}")
+    return problems, seen
+
+
+def program_worker(rank: int, world_size: int, programs: list[tuple[str, ...]], lengths: list[int]) -> dict[str, Any]:
+    """Check every program at every length on this rank; all problems and records come back."""
+    torch.manual_seed(0)
+    results = {}
+    for program in programs:
+        problems, seen = check_program(tuple(program), lengths)
+        results["+".join(program)] = {"problems": problems, **seen}
+    return results
