@@ -210,6 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shortest", type=int, default=0)
     parser.add_argument("--longest", type=int, default=0)
     parser.add_argument("--tokens-per-step", type=int, default=0)
+    parser.add_argument("--profile-recompute", nargs="+", default=None,
+                        help="policies dcp.profile measures for planning (default: all on a GPU, none and full on a CPU; "
+                             "the replay times every micro-batch's own policy either way)")
     parser.add_argument("--out-dir", default=str(RESULTS))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -226,9 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          num_heads=setup.heads, ffn_hidden_size=4 * setup.hidden, vocab_size=VOCAB,
                                          causal=True, dtype_bytes=2 if setup.dtype == torch.bfloat16 else 4)
     inner = "inductor" if device.type == "cuda" else "aot_eager"
+    policies = args.profile_recompute or ([p.value for p in dcp.RecomputePolicy] if device.type == "cuda" else ["none", "full"])
     cost_model = dcp.profile(model, packed_inputs(setup), lengths=profile_lengths, sp_sizes=(1, 2, 4, 8),
-                             causal=True, prior=prior, hardware=hardware, inner=inner, packed=True,
-                             repeats=args.repeats)
+                             recompute=policies, causal=True, prior=prior, hardware=hardware, inner=inner,
+                             packed=True, repeats=args.repeats)
     if device.type == "cpu":  # a stand-in memory cap: the longest sample needs SP 8 with full recompute
         state = cost_model.memory_coefficients(8, "full").fixed_bytes
         cap = state + 1.02 * (cost_model.peak_memory([setup.longest], 8, "full") - state)

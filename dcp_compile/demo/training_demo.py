@@ -214,6 +214,66 @@ def measure_communication(compiled, model: torch.nn.Module, measured: Sequence[d
     return latency, bandwidth
 
 
+PROBE_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class MachineSpeed:
+    """How much slower than profiled this shared machine runs right now: compute (an SP-1 probe on
+    every rank at once, as DCP's SP-1 work runs) and communication (an SP-world probe, less its
+    compute). 1.0 = as profiled."""
+
+    compute: float = 1.0
+    communication: float = 1.0
+
+
+def probe_machine(compiled, model: torch.nn.Module, cost_model: dcp.CostModel, world_size: int,
+                  device: torch.device) -> MachineSpeed:
+    """Time two probe micro-batches now (the slowest rank's best of three) against the cost model:
+    a shared machine's load moves between the profile and each step, by more than the schedules
+    differ; the probes measure where it stands, so a prediction can be read at today's speed."""
+    sample = torch.randint(1, VOCAB, (PROBE_LENGTH,), generator=torch.Generator().manual_seed(2))
+    packed = pack([sample], [0], device)
+
+    def timed(variant: dcp.Variant) -> float:
+        best = math.inf
+        for _ in range(3):
+            _barrier()
+            start = time.perf_counter()
+            packed_loss(compiled, variant, packed).backward()
+            _synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+        return _world_max(best, device)
+
+    compute = timed(dcp.Variant(1, "none")) / cost_model.time([PROBE_LENGTH], 1, "none")
+    if world_size == 1:
+        return MachineSpeed(compute, 1.0)
+    silent = _without_communication(cost_model)
+    predicted_compute = silent.time([PROBE_LENGTH], world_size, "none")
+    predicted_communication = cost_model.time([PROBE_LENGTH], world_size, "none") - predicted_compute
+    measured = timed(dcp.Variant(world_size, "none"))
+    communication = max(measured - compute * predicted_compute, 0.0) / predicted_communication
+    return MachineSpeed(compute, communication)
+
+
+def _without_communication(cost_model: dcp.CostModel) -> dcp.CostModel:
+    return replace(cost_model, scales={**cost_model.scales, "communication": 0.0})
+
+
+def at_speed(cost_model: dcp.CostModel, silent: dcp.CostModel, microbatches: Sequence[dcp.MicroBatch],
+             lengths: Sequence[int], speed: MachineSpeed, world_size: int) -> list[float]:
+    """Each rank's predicted busy time for ``microbatches`` at the machine's probed speed."""
+    ranks = [0.0] * world_size
+    for mb in microbatches:
+        sample_lengths = [lengths[i] for i in mb.indices]
+        compute = silent.time(sample_lengths, mb.sp_size, mb.recompute)
+        communication = cost_model.time(sample_lengths, mb.sp_size, mb.recompute) - compute
+        for rank in mb.group_ranks:
+            ranks[rank] += speed.compute * compute + speed.communication * communication
+    return ranks
+
+
 def demo_cost_model(measured: Sequence[dict], link: tuple[float, float], world_size: int) -> tuple[dcp.CostModel, float]:
     """The cost model every rank plans with, and the stand-in memory cap (bytes per rank).
 
@@ -270,7 +330,8 @@ class StepResult:
     busy: list[float]  # per rank: forward/backward time before the gradient sync
     loss: float  # mean token loss over the step's global batch
     tokens: int  # tokens of the step (packed rows: every computed position is a token)
-    predicted: float  # the cost model's step time
+    predicted: float  # the cost model's busy time of the step, as profiled
+    adjusted: float  # the same at the machine's speed probed just before the step
     microbatches: int = 0
     sp_sizes: dict[int, int] = field(default_factory=dict)  # SP size -> micro-batches
 
@@ -415,6 +476,7 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
     weights = {"dcp": initial_state, "static": {k: v.clone() for k, v in initial_state.items()}}
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE) for name in weights}
     results: dict[str, list[StepResult]] = {"dcp": [], "static": []}
+    silent = _without_communication(cost_model)
     all_dcp: list[dcp.MicroBatch] = []
     all_static: list[dcp.MicroBatch] = []
     say("")
@@ -431,6 +493,9 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
             world_size, static_variant)
         all_dcp += every
         all_static += static
+        speed = probe_machine(compiled, model, cost_model, world_size, device)
+        say(f"machine now: compute {speed.compute:.2f}x, communication {speed.communication:.2f}x the profiled time "
+            "(two probe micro-batches)")
         runs = {
             "dcp": [(mb, mb.variant, mb.group_ranks[0] == rank) for mb in step.microbatches],
             "static": [(mb, static_variant, rank == 0) for mb in static],
@@ -443,24 +508,24 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
             seconds, busy_all, loss = _gather_step(elapsed, busy, share, device)
             if name == "dcp":
                 predicted = step.predicted_makespan
-                predicted_ranks = step.predicted_rank_times()
+                adjusted_ranks = at_speed(cost_model, silent, every, lengths, speed, world_size)
                 sp_counts: dict[int, int] = {}
                 for mb in every:
                     sp_counts[mb.sp_size] = sp_counts.get(mb.sp_size, 0) + 1
             else:
                 predicted = sum(cost_model.time([lengths[i] for i in mb.indices], world_size, static_policy)
                                 for mb in static)
-                predicted_ranks = [predicted] * world_size
+                adjusted_ranks = at_speed(cost_model, silent, static, lengths, speed, world_size)
                 sp_counts = {world_size: len(static)}
             result = StepResult(seconds=seconds, busy=busy_all, loss=loss, tokens=step.tokens,
-                                predicted=predicted, microbatches=len(every) if name == "dcp" else len(static),
+                                predicted=predicted, adjusted=max(adjusted_ranks), microbatches=len(every) if name == "dcp" else len(static),
                                 sp_sizes=sp_counts)
             results[name].append(result)
             label = "DCP:   " if name == "dcp" else "static:"
             lines[name] = (
-                f"{label} measured {seconds:.3f} s (predicted {predicted:.3f} s) | busy per rank "
-                + ", ".join(f"{b:.3f}" for b in busy_all) + " s (predicted "
-                + ", ".join(f"{p:.3f}" for p in predicted_ranks) + f") | loss {loss:.4f} | "
+                f"{label} measured {seconds:.3f} s (predicted {predicted:.3f} s as profiled) | busy per rank "
+                + ", ".join(f"{b:.3f}" for b in busy_all) + " s (predicted at the probed speed "
+                + ", ".join(f"{p:.3f}" for p in adjusted_ranks) + f") | loss {loss:.4f} | "
                 f"{result.tokens_per_s:,.0f} tokens/s"
             )
         say(lines["dcp"] + f"  [{len(every)} micro-batches, padding {100 * padding_fraction(every):.0f}%]")
@@ -569,17 +634,24 @@ def summarize(dcp_results: Sequence[StepResult], static_results: Sequence[StepRe
     )
     dcp_busy = sum(max(r.busy) for r in dcp_results)
     static_busy = sum(max(r.busy) for r in static_results)
-    dcp_error = dcp_predicted / dcp_busy - 1 if dcp_busy > 0 else math.nan
-    static_error = static_predicted / static_busy - 1 if static_busy > 0 else math.nan
+    dcp_adjusted = sum(r.adjusted for r in dcp_results)
+    static_adjusted = sum(r.adjusted for r in static_results)
+    adjusted = static_adjusted / dcp_adjusted if dcp_adjusted > 0 else math.nan
+    dcp_error = dcp_adjusted / dcp_busy - 1 if dcp_busy > 0 else math.nan
+    static_error = static_adjusted / static_busy - 1 if static_busy > 0 else math.nan
+    dcp_raw_error = dcp_predicted / dcp_busy - 1 if dcp_busy > 0 else math.nan
+    static_raw_error = static_predicted / static_busy - 1 if static_busy > 0 else math.nan
     max_difference = max((abs(a.loss - b.loss) for a, b in zip(dcp_results, static_results)), default=0.0)
     paired, low, high = paired_ratio([b.seconds / a.seconds for a, b in zip(dcp_results, static_results) if a.seconds > 0])
     lines += [
         "",
         f"DCP trained {speedup:.2f}x the tokens/s of static SP over {len(dcp_results)} steps (measured; the profiled "
-        f"cost model predicted {predicted:.2f}x). Step by step (each step's two runs back to back, so a slow phase "
-        f"of the machine hits both): {paired:.2f}x, 95% interval {low:.2f}-{high:.2f}x. Predicted vs measured busy "
-        f"time (forward + backward, slowest rank, summed over steps): DCP {100 * dcp_error:+.0f}%, static SP "
-        f"{100 * static_error:+.0f}% (the profile ran minutes earlier: a shared machine's load moves both alike).",
+        f"cost model predicted {adjusted:.2f}x at the machine's probed speed, {predicted:.2f}x as profiled). Step by "
+        f"step (each step's two runs back to back, so a slow phase of the machine hits both): {paired:.2f}x, 95% "
+        f"interval {low:.2f}-{high:.2f}x. Predicted vs measured busy time (forward + backward, slowest rank, summed "
+        f"over steps) at the probed speed: DCP {100 * dcp_error:+.0f}%, static SP {100 * static_error:+.0f}%; as "
+        f"profiled: DCP {100 * dcp_raw_error:+.0f}%, static SP {100 * static_raw_error:+.0f}% (the load of a shared "
+        "machine moves between the profile and each step; two probe micro-batches before each step measure it).",
         *mechanisms,
         f"Losses: max |DCP - static| = {max_difference:.2e}. Both runs train the same samples with the same loss "
         "weights; only the SP size, the recompute policy and the packing differ, so they must agree to float "
@@ -591,7 +663,8 @@ def summarize(dcp_results: Sequence[StepResult], static_results: Sequence[StepRe
     ]
     return {"table": "\n".join(lines), "max_loss_difference": max_difference, "speedup": speedup,
             "paired_speedup": (paired, low, high),
-            "predicted_speedup": predicted, "prediction_errors": (dcp_error, static_error)}
+            "predicted_speedup": adjusted, "profiled_speedup": predicted,
+            "prediction_errors": (dcp_error, static_error)}
 
 
 def _worker(rank: int, world_size: int, steps: int, inner: str, seed: int, measured: Sequence[dict]) -> dict:
