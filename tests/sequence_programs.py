@@ -234,21 +234,29 @@ def run(model: nn.Module, call: Callable[[torch.Tensor], torch.Tensor], x: torch
 def check_program(program: tuple[str, ...], lengths: list[int], rtol: float = 1e-5,
                   atol: float = 1e-5) -> tuple[list[str], dict[str, Any]]:
     """Parity problems of one program at ``lengths`` and what its SP>1 variants did."""
+    return check_model("+".join(program) or "identity", lambda: build(program), inputs, lengths, rtol, atol)
+
+
+def check_model(name: str, factory: Callable[[], nn.Module], make_input: Callable[[int], torch.Tensor],
+                lengths: list[int], rtol: float = 1e-5, atol: float = 1e-5,
+                gather_budget: int = 8) -> tuple[list[str], dict[str, Any]]:
+    """Parity problems of ``factory()`` compiled once and run at ``lengths`` (the loss is the mean
+    square output), and what its SP>1 variants did: sites sharded, gathers with their reasons."""
     import dcp_compile as dcp
     from dcp_compile.testing.sharding_checks import sharding_problems
 
     problems: list[str] = []
     seen: dict[str, Any] = {"sharded_sites": 0, "unsharded": [], "gathers": [], "attention_sites": 0}
     torch._dynamo.reset()
-    model = build(program)
+    model = factory()
     compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager"})
     for length in lengths:
-        label = f"{'+'.join(program) or 'identity'}@{length}"
+        label = f"{name}@{length}"
         try:
-            eager_model = build(program)
-            reference = run(eager_model, eager_model, inputs(length))
-            records = dcp.explain(compiled, inputs(length))
-            actual = run(model, compiled, inputs(length), group=True)
+            eager_model = factory()
+            reference = run(eager_model, eager_model, make_input(length))
+            records = dcp.explain(compiled, make_input(length))
+            actual = run(model, compiled, make_input(length), group=True)
         except Exception:
             problems.append(f"{label}: raised\n{traceback.format_exc()}")
             continue
@@ -256,12 +264,12 @@ def check_program(program: tuple[str, ...], lengths: list[int], rtol: float = 1e
         if out.shape != out_ref.shape or not torch.allclose(out, out_ref, rtol=rtol, atol=atol):
             error = (out - out_ref).abs().max().item() if out.shape == out_ref.shape else float("nan")
             problems.append(f"{label}: SILENTLY WRONG output (max abs error {error:.3g})")
-        for name, expected in grads_ref.items():
-            got = grads.get(name)
+        for param, expected in grads_ref.items():
+            got = grads.get(param)
             if got is None or not torch.allclose(got, expected, rtol=rtol, atol=atol):
                 error = float("nan") if got is None else (got - expected).abs().max().item()
-                problems.append(f"{label}: SILENTLY WRONG grad {name} (max abs error {error:.3g})")
-        problems += [f"{label}: {p}" for p in sharding_problems(records, gather_budget=8)]
+                problems.append(f"{label}: SILENTLY WRONG grad {param} (max abs error {error:.3g})")
+        problems += [f"{label}: {p}" for p in sharding_problems(records, gather_budget=gather_budget)]
         for variant in records.variant_records():
             if variant.sp_size == 1:
                 continue
@@ -269,8 +277,6 @@ def check_program(program: tuple[str, ...], lengths: list[int], rtol: float = 1e
             seen["sharded_sites"] += len(variant.sharded_sites)
             seen["unsharded"] += list(variant.unsharded_sites)
             seen["gathers"] += [getattr(g, "reason", str(g)) for g in variant.gathers]
-            if variant.fallback_reason is not None:
-                problems.append(f"{label}: not sharded: {variant.fallback_reason}")
             for gather in variant.gathers:
                 if not getattr(gather, "reason", ""):
                     problems.append(f"{label}: a gather without a reason: {gather}")
