@@ -17,6 +17,7 @@ from dcp_compile.schedule.cost_model import CostModel
 from dcp_compile.schedule.hardware import Hardware
 from dcp_compile.schedule.measured_costs import MeasuredCosts, Measurement, fit_all, held_out_errors
 from dcp_compile.schedule.model_profile import ModelProfile
+from dcp_compile.schedule.profiling import call_with_inputs
 from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, Variant
 
 from .device_timing import Timing, device_name, software_versions, time_step
@@ -173,7 +174,7 @@ def _training_step(compiled: Any, model: torch.nn.Module, inputs: Any, variant: 
                    scalar: Callable[[Any], torch.Tensor], sequence_lengths: list[int] | None) -> Callable[[], None]:
     def step() -> None:
         with use(variant, sequence_lengths=sequence_lengths):
-            value = scalar(_call(compiled, inputs))
+            value = scalar(call_with_inputs(compiled, inputs))
         value.backward()
         # Keep gradient buffers allocated: the peak then measures activations, not them.
         model.zero_grad(set_to_none=False)
@@ -198,14 +199,6 @@ def scalar_loss(output: Any) -> torch.Tensor:
         return output if output.numel() == 1 else output.float().mean()
     raise TypeError(f"dcp.profile: cannot find a loss in the model's output ({type(output).__name__}); "
                     "pass loss=lambda output: ... returning a scalar tensor")
-
-
-def _call(model: Any, inputs: Any) -> Any:
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

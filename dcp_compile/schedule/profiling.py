@@ -68,12 +68,12 @@ def measure_fields(
             with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
                 if index == 0:
                     with _CountAttention():
-                        _call(model, inputs)
+                        call_with_inputs(model, inputs)
                 else:
-                    _call(model, inputs)
+                    call_with_inputs(model, inputs)
             # Saved activations under the default (flash-style) kernel, which keeps no L x L buffer.
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                _call(model, inputs)
+                call_with_inputs(model, inputs)
             flops.append(float(counter.get_total_flops()))
             saved_bytes.append(float(sum(seen.values())))
     finally:
@@ -128,7 +128,8 @@ def measure_fields(
     )
 
 
-def _call(model: Any, inputs: Any) -> Any:
+def call_with_inputs(model: Any, inputs: Any) -> Any:
+    """``model(**inputs)``, ``model(*inputs)`` or ``model(inputs)``, as ``make_inputs`` returned them."""
     if isinstance(inputs, Mapping):
         return model(**inputs)
     if isinstance(inputs, tuple):
