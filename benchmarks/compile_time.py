@@ -116,27 +116,30 @@ def markdown(results: list[dict], machine: str) -> str:
         f"**Measured** on {machine}, torch {results[0].get('torch', '?')}, by `benchmarks/compile_time.py` "
         "(each configuration in a fresh process with a cold Inductor/Triton cache; dcp on a one-process "
         "fake world of 2 ranks, so its SP-2 variants compute one rank's share and move no data). "
-        "Goal (issue 25): first step <= 1.5x plain, each further variant <= 0.5x plain's first step.",
+        "Goal (issue 25): first step <= 1.5x plain, each further variant <= 0.5x plain's first step. "
+        "Pass 1 runs plain first, pass 2 dcp first, so that a change in the machine's load does not "
+        "favour one side; the two passes show the noise.",
         "",
-        "| model | inner | plain first step (s) | dcp first step, SP 2 (s) | ratio | further variants: first call (s), ratio to plain | plain / dcp next step (s) |",
+        "| model | inner | plain first step (s) | dcp first step, SP 2 (s) | ratio | further variants: first call (s), ratio to plain | plain / dcp next step, another length (s) |",
         "| --- | --- | ---: | ---: | ---: | --- | --- |",
     ]
-    by_key = {(r["model"], r["inner"], r["mode"]): r for r in results}
-    for model_name in MODELS:
-        for inner in sorted({r["inner"] for r in results}):
-            plain, dcp = by_key.get((model_name, inner, "plain")), by_key.get((model_name, inner, "dcp"))
-            if plain is None or dcp is None:
-                continue
-            if "error" in plain or "error" in dcp:
-                cells = [r.get("error") or f"{r['first_step_s']:.1f}" for r in (plain, dcp)]
-                lines.append(f"| {model_name} | {inner} | {cells[0]} | {cells[1]} | - | - | - |")
-                continue
-            base = plain["first_step_s"]
-            further = "; ".join(f"{v['variant']}: {v['first_call_s']:.1f} ({v['first_call_s'] / base:.2f}x)"
-                                for v in dcp["variants"][1:])
-            lines.append(f"| {model_name} ({dcp['case']}, {dcp['tokens']} tokens) | {inner} | {base:.1f} | "
-                         f"{dcp['first_step_s']:.1f} | {dcp['first_step_s'] / base:.2f}x | {further} | "
-                         f"{plain['next_step_s']:.3f} / {dcp['next_step_s']:.3f} |")
+    by_key = {(r["model"], r["inner"], r["mode"], r.get("pass", 0)): r for r in results}
+    passes = sorted({r.get("pass", 0) for r in results})
+    rows = [(m, i, p) for m in MODELS for i in sorted({r["inner"] for r in results}) for p in passes]
+    for model_name, inner, run in rows:
+        plain, dcp = by_key.get((model_name, inner, "plain", run)), by_key.get((model_name, inner, "dcp", run))
+        if plain is None or dcp is None:
+            continue
+        if "error" in plain or "error" in dcp:
+            cells = [r.get("error") or f"{r['first_step_s']:.1f}" for r in (plain, dcp)]
+            lines.append(f"| {model_name} | {inner} | {cells[0]} | {cells[1]} | - | - | - |")
+            continue
+        base = plain["first_step_s"]
+        further = "; ".join(f"{v['variant']}: {v['first_call_s']:.1f} ({v['first_call_s'] / base:.2f}x)"
+                            for v in dcp["variants"][1:])
+        lines.append(f"| {model_name} ({dcp['case']}, {dcp['tokens']} tokens), pass {run + 1} | {inner} | {base:.1f} | "
+                     f"{dcp['first_step_s']:.1f} | {dcp['first_step_s'] / base:.2f}x | {further} | "
+                     f"{plain['next_step_s']:.3f} / {dcp['next_step_s']:.3f} |")
     lines += ["", "Raw results:", "", "```json", json.dumps(results, indent=1), "```", ""]
     return "\n".join(lines)
 
@@ -145,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--inner", nargs="+", default=["inductor"], choices=["inductor", "aot_eager", "eager"])
+    parser.add_argument("--repeats", type=int, default=2, help="passes; odd passes run dcp first")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
     parser.add_argument("--out", type=Path, default=None, help="write the Markdown report here")
     parser.add_argument("--worker", nargs=3, metavar=("MODEL", "MODE", "INNER"), help=argparse.SUPPRESS)
@@ -154,14 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs visible ({platform.node()})"
     results = []
-    for model_name in args.models:
-        for inner in args.inner:
-            for mode in ("plain", "dcp"):
-                result = run_isolated(model_name, mode, inner, args.timeout)
-                print(json.dumps(result), flush=True)
-                results.append(result)
-                if args.out:  # partial results survive an interrupted run
-                    args.out.write_text(markdown(results, machine))
+    configurations = [(run, model_name, inner, mode) for run in range(args.repeats) for model_name in args.models
+                      for inner in args.inner for mode in (("plain", "dcp") if run % 2 == 0 else ("dcp", "plain"))]
+    for run, model_name, inner, mode in configurations:
+        result = run_isolated(model_name, mode, inner, args.timeout)
+        result["pass"] = run
+        print(json.dumps(result), flush=True)
+        results.append(result)
+        if args.out:  # partial results survive an interrupted run
+            args.out.write_text(markdown(results, machine))
     report = markdown(results, machine)
     print(report)
     if args.out:
