@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.compiler.passes.context import PassContext
+from dcp_compile.compiler.passes.einsum_products import respell_einsum_products
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -304,8 +306,32 @@ def _propagate_fake_values(gm: fx.GraphModule, ctx: PassContext) -> None:
                 node.meta["val"] = node.target(*args, **kwargs)
 
 
+NO_ATTENTION_WARNING = (
+    "dcp: a graph with parameters and inputs of a dynamic length has no attention the compiler recognises "
+    "(F.scaled_dot_product_attention, or softmax(q @ k^T) @ v in matmul/bmm/einsum spellings): it runs "
+    "replicated on every rank, with no sequence parallelism. If the model has attention, write it with "
+    "F.scaled_dot_product_attention; dcp.explain(model, *inputs) shows what was found.")
+
+
+def _has_sequence_dimension(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    """A model graph (it holds parameters) with an input of a dynamic (symbolic) size: a graph
+    break's loss graph holds no parameters, so it stays quiet."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if not ctx.analysis.parameter_indices:
+        return False
+    for index, node in enumerate(placeholders):
+        value = node.meta.get("val")
+        if index in ctx.analysis.parameter_indices or not isinstance(value, torch.Tensor):
+            continue
+        if any(isinstance(size, torch.SymInt) and size.node.expr.free_symbols for size in value.shape):
+            return True
+    return False
+
+
 def find_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Record every attention site; rewrite hand-written attention into SDPA nodes."""
+    if respell_einsum_products(gm):  # einsum-spelled attention reads as q @ k^T from here on
+        _propagate_fake_values(gm, ctx)
     rewritten = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in SOFTMAXES:
@@ -357,6 +383,8 @@ def find_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.analysis.attention_sites = sites
     if not sites:
         log.info("dcp: no attention found in this graph; it runs unsharded on every rank")
+        if _has_sequence_dimension(gm, ctx):
+            warnings.warn(NO_ATTENTION_WARNING, UserWarning, stacklevel=2)
     else:
         log.info("dcp: found %d attention site(s) (%d hand-written)", len(sites), rewritten)
     return gm
