@@ -58,7 +58,7 @@ def worker(model_name: str, mode: str, inner: str) -> dict:
     inputs, actual = case.make_inputs(tokens, seed=0)
     later_inputs, _ = case.make_inputs(tokens + 6, seed=1)  # another length: no recompile expected
     result = {"model": model_name, "case": case_name, "mode": mode, "inner": inner, "tokens": actual,
-              "torch": torch.__version__}
+              "torch": torch.__version__, "load_average_1m": os.getloadavg()[0]}  # a shared machine's other work
     if mode == "plain":
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=inner, dynamic=True)
@@ -110,13 +110,16 @@ def run_isolated(model_name: str, mode: str, inner: str, timeout: float) -> dict
 
 
 def markdown(results: list[dict], machine: str) -> str:
+    loads = [r["load_average_1m"] for r in results if "load_average_1m" in r]
     lines = [
         "# Time to the first step: dcp vs plain torch.compile",
         "",
         f"**Measured** on {machine}, torch {results[0].get('torch', '?')}, by `benchmarks/compile_time.py` "
         "(each configuration in a fresh process with a cold Inductor/Triton cache; dcp on a one-process "
         "fake world of 2 ranks, so its SP-2 variants compute one rank's share and move no data). "
-        "Goal (issue 25): first step <= 1.5x plain, each further variant <= 0.5x plain's first step. "
+        + (f"Load average (1 min) when each configuration started: {min(loads):.1f}-{max(loads):.1f} on "
+           f"{os.cpu_count()} CPUs (other jobs share this machine). " if loads else "")
+        + "Goal (issue 25): first step <= 1.5x plain, each further variant <= 0.5x plain's first step. "
         "Pass 1 runs plain first, pass 2 dcp first, so that a change in the machine's load does not "
         "favour one side; the two passes show the noise.",
         "",
@@ -140,6 +143,20 @@ def markdown(results: list[dict], machine: str) -> str:
         lines.append(f"| {model_name} ({dcp['case']}, {dcp['tokens']} tokens), pass {run + 1} | {inner} | {base:.1f} | "
                      f"{dcp['first_step_s']:.1f} | {dcp['first_step_s'] / base:.2f}x | {further} | "
                      f"{plain['next_step_s']:.3f} / {dcp['next_step_s']:.3f} |")
+    lines += ["", "Against the goal (every pass):", ""]
+    for model_name in MODELS:
+        for inner in sorted({r["inner"] for r in results}):
+            pairs = [(by_key.get((model_name, inner, "plain", p)), by_key.get((model_name, inner, "dcp", p))) for p in passes]
+            pairs = [(a, b) for a, b in pairs if a and b and "error" not in a and "error" not in b]
+            if not pairs:
+                continue
+            first = [b["first_step_s"] / a["first_step_s"] for a, b in pairs]
+            further = [v["first_call_s"] / a["first_step_s"] for a, b in pairs for v in b["variants"][1:]]
+            lines.append(
+                f"- {model_name}, {inner}: first step {', '.join(f'{x:.2f}x' for x in first)} of plain "
+                f"({'within' if max(first) <= 1.5 else 'over'} the 1.5x goal); further variants "
+                f"{min(further):.2f}x-{max(further):.2f}x of plain's first step "
+                f"({sum(x <= 0.5 for x in further)} of {len(further)} within the 0.5x goal)")
     lines += ["", "Raw results:", "", "```json", json.dumps(results, indent=1), "```", ""]
     return "\n".join(lines)
 
@@ -148,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--inner", nargs="+", default=["inductor"], choices=["inductor", "aot_eager", "eager"])
-    parser.add_argument("--repeats", type=int, default=2, help="passes; odd passes run dcp first")
+    parser.add_argument("--repeats", type=int, default=2, help="passes; odd passes run dcp first (0 with --merge: "
+                        "rewrite the report of earlier results)")
+    parser.add_argument("--only-pass", type=int, default=None, help="run this pass alone (0: plain first, 1: dcp first)")
+    parser.add_argument("--merge", type=Path, default=None,
+                        help="an earlier report of this script: its raw results join this run's (another pass)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
     parser.add_argument("--out", type=Path, default=None, help="write the Markdown report here")
     parser.add_argument("--worker", nargs=3, metavar=("MODEL", "MODE", "INNER"), help=argparse.SUPPRESS)
@@ -158,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs visible ({platform.node()})"
     results = []
-    configurations = [(run, model_name, inner, mode) for run in range(args.repeats) for model_name in args.models
+    if args.merge:
+        results = json.loads(args.merge.read_text().split("```json\n", 1)[1].split("```", 1)[0])
+    runs = [args.only_pass] if args.only_pass is not None else range(args.repeats)
+    configurations = [(run, model_name, inner, mode) for run in runs for model_name in args.models
                       for inner in args.inner for mode in (("plain", "dcp") if run % 2 == 0 else ("dcp", "plain"))]
     for run, model_name, inner, mode in configurations:
         result = run_isolated(model_name, mode, inner, args.timeout)
