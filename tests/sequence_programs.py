@@ -122,6 +122,24 @@ def _fold_into_batch(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
     return mixed[:, :n]
 
 
+def _index_add_along_sequence(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(h).index_add(1, _positions(h) // 2, h)
+
+
+def _diff_over_positions(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    return F.pad(torch.diff(h, dim=1), (0, 0, 1, 0))
+
+
+def _pool_over_positions(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    return F.avg_pool1d(h.transpose(1, 2), 3, stride=1, padding=1, count_include_pad=False).transpose(1, 2)
+
+
+def _resample_positions(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    n = h.shape[1]
+    down = F.interpolate(h.transpose(1, 2), scale_factor=0.5, mode="linear")
+    return F.interpolate(down, size=n, mode="nearest").transpose(1, 2)
+
+
 MIXING: dict[str, Op] = {
     "shift_slice_assign": _shift_by_slice_assignment,
     "shift_right_slice_assign": _shift_right_by_slice_assignment,
@@ -146,6 +164,11 @@ MIXING: dict[str, Op] = {
     "mean_over_sequence": lambda m, h: h - h.mean(1, keepdim=True),
     "max_over_sequence": lambda m, h: h - h.amax(1, keepdim=True),
     "fold_into_batch": _fold_into_batch,
+    "index_add": _index_add_along_sequence,
+    "diff": _diff_over_positions,
+    "avg_pool": _pool_over_positions,
+    "resample": _resample_positions,
+    "sum_over_sequence": lambda m, h: h + h.sum(1, keepdim=True) / h.shape[1],
 }
 
 
@@ -232,21 +255,58 @@ def run(model: nn.Module, call: Callable[[torch.Tensor], torch.Tensor], x: torch
 
 
 def check_program(program: tuple[str, ...], lengths: list[int], rtol: float = 1e-5,
-                  atol: float = 1e-5) -> tuple[list[str], dict[str, Any]]:
+                  atol: float = 1e-5, shard_required: bool = True) -> tuple[list[str], dict[str, Any]]:
     """Parity problems of one program at ``lengths`` and what its SP>1 variants did."""
-    return check_model("+".join(program) or "identity", lambda: build(program), inputs, lengths, rtol, atol)
+    return check_model("+".join(program) or "identity", lambda: build(program), inputs, lengths, rtol, atol,
+                       shard_required=shard_required)
+
+
+def shrink(program: tuple[str, ...], length: int) -> tuple[str, ...]:
+    """The shortest sub-program (ops dropped greedily) still wrong at ``length``: the regression test.
+    Every rank shrinks alike: outputs are full and gradients summed on each rank."""
+    current = program
+    changed = True
+    while changed and len(current) > 1:
+        changed = False
+        for index in range(len(current)):
+            candidate = current[:index] + current[index + 1:]
+            problems, _ = check_program(candidate, [length], shard_required=False)
+            if problems:
+                current, changed = candidate, True
+                break
+    return current
+
+
+def fuzz_worker(rank: int, world_size: int, cases: list[tuple[tuple[str, ...], tuple[int, ...]]]) -> dict[str, Any]:
+    """Check each (program, lengths) case for parity; shrink the failing ones. Sharding is
+    recorded, not required (a program the compiler cannot shard must gather, never be wrong)."""
+    torch.manual_seed(0)
+    failures, gathers, not_sharded, checked = [], 0, 0, 0
+    for program, lengths in cases:
+        problems, seen = check_program(tuple(program), list(lengths), shard_required=False)
+        checked += len(lengths)
+        gathers += len(seen["gathers"])
+        not_sharded += len(seen["not_sharded"])
+        if problems:
+            length = next((n for n in lengths if any(f"@{n}:" in p for p in problems)), lengths[0])
+            failures.append({"program": tuple(program), "length": length, "problems": problems[:3],
+                             "shrunk": shrink(tuple(program), length)})
+    return {"failures": failures, "checked": checked, "gathers": gathers, "not_sharded": not_sharded}
 
 
 def check_model(name: str, factory: Callable[[], nn.Module], make_input: Callable[[int], torch.Tensor],
                 lengths: list[int], rtol: float = 1e-5, atol: float = 1e-5,
-                gather_budget: int = 8) -> tuple[list[str], dict[str, Any]]:
+                gather_budget: int = 8, shard_required: bool = True) -> tuple[list[str], dict[str, Any]]:
     """Parity problems of ``factory()`` compiled once and run at ``lengths`` (the loss is the mean
-    square output), and what its SP>1 variants did: sites sharded, gathers with their reasons."""
+    square output), and what its SP>1 variants did: sites sharded, gathers with their reasons.
+    With ``shard_required`` False, a variant that is not fully sharded is recorded under
+    ``not_sharded`` instead of being a problem (the fuzzer asks for parity first)."""
     import dcp_compile as dcp
     from dcp_compile.testing.sharding_checks import sharding_problems
 
     problems: list[str] = []
-    seen: dict[str, Any] = {"sharded_sites": 0, "unsharded": [], "gathers": [], "attention_sites": 0}
+    seen: dict[str, Any] = {"sharded_sites": 0, "unsharded": [], "gathers": [], "attention_sites": 0,
+                            "not_sharded": []}
     torch._dynamo.reset()
     model = factory()
     compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager"})
@@ -269,7 +329,11 @@ def check_model(name: str, factory: Callable[[], nn.Module], make_input: Callabl
             if got is None or not torch.allclose(got, expected, rtol=rtol, atol=atol):
                 error = float("nan") if got is None else (got - expected).abs().max().item()
                 problems.append(f"{label}: SILENTLY WRONG grad {param} (max abs error {error:.3g})")
-        problems += [f"{label}: {p}" for p in sharding_problems(records, gather_budget=gather_budget)]
+        unsharded = [f"{label}: {p}" for p in sharding_problems(records, gather_budget=gather_budget)]
+        if shard_required:
+            problems += unsharded
+        else:
+            seen["not_sharded"] += unsharded
         for variant in records.variant_records():
             if variant.sp_size == 1:
                 continue
