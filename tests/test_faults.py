@@ -15,7 +15,7 @@ from dcp_compile.testing.process_world import run_in_process_world
 
 # The row that expects a check to time out waits 4 s. Every other row waits 30 s: its ranks meet in
 # the first check right after their first compile, and on a loaded CI machine one rank can reach
-# it seconds after the other (a 4 s wait made the agreeing README loop time out).
+# it seconds after the other (a 4 s wait made the agreeing guide loop time out).
 SHORT_WAIT = {"DCP_RANK_CHECK_TIMEOUT": "4"}
 CHECK_WAIT = {"DCP_RANK_CHECK_TIMEOUT": "30"}
 VOCAB, WIDTH = 32, 8
@@ -350,7 +350,7 @@ class _LossOutput(nn.Module):
         return SimpleNamespace(loss=self.compiled(input_ids, labels))
 
 
-def _readme_loop(rank: int, world_size: int, block: str) -> list[float]:
+def _guide_loop(rank: int, world_size: int, block: str) -> list[float]:
     import dcp_compile as dcp
     from dcp_compile.demo.example_models import TinyGPT
     from dcp_compile.schedule.sampler import DataCentricSampler
@@ -380,7 +380,7 @@ def _readme_loop(rank: int, world_size: int, block: str) -> list[float]:
     return {"parameters": [p.detach().sum().item() for p in model.parameters()], "sp_sizes": sp_sizes}
 
 
-def test_the_readme_fault_guard_loop_runs():
-    rank0, rank1 = run_in_process_world(_readme_loop, 2, _guide_fault_guard_block(), timeout=120, env=CHECK_WAIT)
+def test_the_guide_fault_guard_loop_runs():
+    rank0, rank1 = run_in_process_world(_guide_loop, 2, _guide_fault_guard_block(), timeout=120, env=CHECK_WAIT)
     assert 2 in rank0["sp_sizes"], rank0  # the SP-group check ran on real SP-2 micro-batches
     assert rank0["parameters"] == rank1["parameters"]

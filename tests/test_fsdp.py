@@ -156,7 +156,7 @@ def _sync_without_begin_step(rank: int, world_size: int) -> None:
 
 GUIDE_TOKENS_PER_STEP = 96  # a real job's 65536 scaled to ten sequences, so the epoch has several steps
 GUIDE_MAX_TOKENS_PER_RANK = 32  # a tiny model fits anything at SP 1; the cap sends the long ones to SP 2
-README_LENGTHS = (12, 40, 20, 48, 16, 36, 9, 27, 30, 14)
+GUIDE_LENGTHS = (12, 40, 20, 48, 16, 36, 9, 27, 30, 14)
 
 
 def guide_block() -> str:
@@ -170,7 +170,7 @@ def guide_block() -> str:
     return block
 
 
-def readme_llama() -> torch.nn.Module:
+def guide_llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -182,9 +182,9 @@ def readme_llama() -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def readme_dataset() -> list[torch.Tensor]:
+def guide_dataset() -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(5)
-    return [torch.randint(1, VOCAB, (n,), generator=generator) for n in README_LENGTHS]
+    return [torch.randint(1, VOCAB, (n,), generator=generator) for n in GUIDE_LENGTHS]
 
 
 def _guide_loop(rank: int, world_size: int, block: str, inner: str) -> dict:
@@ -195,7 +195,7 @@ def _guide_loop(rank: int, world_size: int, block: str, inner: str) -> dict:
     # which lives in no importable module); a torchrun rank is neither: Linux forks its workers.
     multiprocessing.current_process()._config["daemon"] = False
     multiprocessing.set_start_method("fork", force=True)
-    namespace = run_python_block(block, "docs/training.md", model=readme_llama(), dataset=readme_dataset(),
+    namespace = run_python_block(block, "docs/training.md", model=guide_llama(), dataset=guide_dataset(),
                                  tokens_per_step=GUIDE_TOKENS_PER_STEP, max_tokens_per_rank=GUIDE_MAX_TOKENS_PER_RANK,
                                  inner=inner)  # its own imports, collate, cost model; rebinds model to the sharded one
     sampler = namespace["sampler"]
@@ -211,12 +211,12 @@ def _guide_loop(rank: int, world_size: int, block: str, inner: str) -> dict:
 def test_the_guide_fsdp2_loop_runs_and_trains_the_global_batches(inner: str) -> None:
     pytest.importorskip("transformers")
     results = run_in_process_world(_guide_loop, 2, guide_block(), inner, timeout=900)
-    dataset = readme_dataset()
+    dataset = guide_dataset()
     # The epoch's global batches depend on the lengths, the seed and the step size only.
     steps = dcp.DataCentricSampler([len(s) for s in dataset], tokens_per_step=GUIDE_TOKENS_PER_STEP, seed=0,
                                    world_size=2, rank=0).steps(0)
     assert len(steps) >= 3
-    model = readme_llama()
+    model = guide_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=ADAM_EPS)
     for indices in steps:
         model(**pad_right([dataset[i] for i in indices])).loss.backward()

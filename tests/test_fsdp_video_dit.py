@@ -53,7 +53,7 @@ def test_the_video_dit_returns_a_view_in_eager_without_dcp() -> None:
     model = build_model(TINY)
     model_inputs, _ = inputs(0)
     output = model(**model_inputs)[0]
-    assert output._base is not None, "the unpatchify no longer returns a view: update the README and this test"
+    assert output._base is not None, "the unpatchify no longer returns a view: update docs/training.md (FSDP2) and this test"
 
 
 def _fsdp_step(rank: int, world_size: int) -> dict:
@@ -85,7 +85,7 @@ def test_fsdp2_video_dit_gradients_equal_the_unsharded_model() -> None:
         model_inputs, noise = inputs(index)
         (F.mse_loss(model(**model_inputs)[0], noise) * weight).backward()
     for rank, result in enumerate(results):
-        assert result["warned"], "FSDP2's view warning is what this test documents; if it is gone, update the README"
+        assert result["warned"], "FSDP2's view warning is what this test documents; if it is gone, update docs/training.md (FSDP2)"
         for name, parameter in model.named_parameters():
             if parameter.requires_grad:
                 torch.testing.assert_close(torch.tensor(result["gradients"][name]), parameter.grad, rtol=1e-4, atol=1e-6,
