@@ -9,18 +9,19 @@ modelled all-to-alls. A step takes its slowest rank, plus one modelled gradient 
 
 Labels: compute **measured** (this device, named in the results), communication **modelled**:
 on a GPU the H200 preset (NVLink 4: 450 GB/s one way per GPU inside a node of 8, NVIDIA's H200 SXM
-datasheet; one 400 Gb/s InfiniBand NDR NIC per GPU across nodes, 50 GB/s), on a CPU the same links
-slowed by this CPU's measured matmul speed over the H200's dense bf16 peak (989 TFLOP/s), so
-that communication weighs against compute as it would on the cluster. Each table shows the
+datasheet; one 400 Gb/s InfiniBand NDR NIC per GPU across nodes, 50 GB/s), on a CPU the same link
+bandwidths slowed by this CPU's measured matmul speed over the H200's dense bf16 peak (989 TFLOP/s),
+so that bytes weigh against compute as they would on the cluster (latencies stay the preset's). Each table shows the
 communication band: the whole replay again with every link 1.5x faster and 1.5x slower (+-50%
 bandwidth).
 
 The model: a GPT-style decoder (``dcp_compile.demo.example_models.TinyGPT``: RoPE, causal SDPA,
 cross-entropy; packed rows, varlen attention), at width 128 x 2 layers on a CPU and width 2048 x
 4 layers (16 heads, a Llama-1B-wide block stack) on a GPU; samples are a long-tailed text mix (a
-Zipf mix of lengths from ``--shortest`` to ``--longest``). Memory is a stand-in on a CPU: the cap
-makes the longest sample need SP 8 with full recompute, as device memory does on the cluster;
-on a GPU it is the device's (measured activation peaks from the profile).
+Zipf mix of lengths from ``--shortest`` to ``--longest``). Memory is a stand-in on a CPU: the
+longest sample fits on 4 ranks with full recompute within the published profiler's share of
+memory, as device memory forces on the cluster; on a GPU it is the device's (measured activation
+peaks from the profile).
 
 Writes ``benchmarks/results/replay_<device>.md`` and ``.json``. Run:
 ``PYTHONPATH=. python benchmarks/replay.py [--steps 3] [--worlds 8 32]``.
@@ -50,7 +51,12 @@ from dcp_compile.schedule.hardware import Hardware
 from dcp_compile.schedule.measured_costs import markdown_report
 from dcp_compile.schedule.plan import Schedule
 from dcp_compile.schedule.planner import Planner
-from dcp_compile.schedule.published_schedulers import BucketParallelScheduler, DCPInterScheduler, StaticSPScheduler
+from dcp_compile.schedule.published_schedulers import (
+    PUBLISHED_MEMORY_FRACTION,
+    BucketParallelScheduler,
+    DCPInterScheduler,
+    StaticSPScheduler,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB = 1024
@@ -125,11 +131,11 @@ def link_model(device: torch.device) -> tuple[Hardware, str]:
     hardware = replace(
         h200, name="H200 links at this CPU's speed", peak_flops=2 * size**3 / best,
         intra_node_bandwidth=h200.intra_node_bandwidth * ratio, inter_node_bandwidth=h200.inter_node_bandwidth * ratio,
-        intra_node_latency=h200.intra_node_latency / ratio, inter_node_latency=h200.inter_node_latency / ratio,
     )
-    return hardware, (f"H200 preset links slowed by this CPU's measured matmul rate over the H200 bf16 peak "
+    return hardware, (f"H200 preset link bandwidths slowed by this CPU's measured matmul rate over the H200 bf16 peak "
                       f"({ratio:.2e}): {hardware.intra_node_bandwidth / 1e6:.2f} MB/s in a node of 8, "
-                      f"{hardware.inter_node_bandwidth / 1e6:.2f} MB/s across")
+                      f"{hardware.inter_node_bandwidth / 1e6:.2f} MB/s across; latencies as the preset's "
+                      "(10 us / 25 us: a CPU's per-call overheads are not slower than a GPU's by that ratio)")
 
 
 def with_links(cost_model: dcp.CostModel, factor: float) -> dcp.CostModel:
@@ -213,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile-recompute", nargs="+", default=None,
                         help="policies dcp.profile measures for planning (default: all on a GPU, none and full on a CPU; "
                              "the replay times every micro-batch's own policy either way)")
+    parser.add_argument("--profile-cache", default=None, help="a cost model JSON to reuse (dcp.profile's path=)")
     parser.add_argument("--out-dir", default=str(RESULTS))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -232,11 +239,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     policies = args.profile_recompute or ([p.value for p in dcp.RecomputePolicy] if device.type == "cuda" else ["none", "full"])
     cost_model = dcp.profile(model, packed_inputs(setup), lengths=profile_lengths, sp_sizes=(1, 2, 4, 8),
                              recompute=policies, causal=True, prior=prior, hardware=hardware, inner=inner,
-                             packed=True, repeats=args.repeats)
-    if device.type == "cpu":  # a stand-in memory cap: the longest sample needs SP 8 with full recompute
-        state = cost_model.memory_coefficients(8, "full").fixed_bytes
-        cap = state + 1.02 * (cost_model.peak_memory([setup.longest], 8, "full") - state)
-        cost_model = replace(cost_model, hardware=replace(hardware, memory_capacity=cap / 0.9))
+                             packed=True, repeats=args.repeats, path=args.profile_cache)
+    cost_model = replace(cost_model, hardware=hardware)  # a cached profile keeps this run's link model
+    if device.type == "cpu":
+        # A stand-in memory: the longest sample fits on 4 ranks with full recompute within the
+        # published profiler's cap (a share of device memory), as device memory forces on a cluster.
+        state = cost_model.memory_coefficients(4, "full").fixed_bytes
+        cap = state + 1.02 * (cost_model.peak_memory([setup.longest], 4, "full") - state)
+        cost_model = replace(cost_model, hardware=replace(hardware, memory_capacity=cap / PUBLISHED_MEMORY_FRACTION))
     profile_text = markdown_report(cost_model.measured, title="Profile used by the replay")
 
     lengths_pool = zipf_lengths(4000, setup.shortest, setup.longest)
