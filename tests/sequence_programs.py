@@ -140,6 +140,21 @@ def _resample_positions(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
     return F.interpolate(down, size=n, mode="nearest").transpose(1, 2)
 
 
+def _write_through_alias(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    # A view taken before the buffer is written through another view: it sees the write.
+    b, n, d = h.shape
+    out = h * 1.0
+    alias = out.view(b, n, d)
+    out[:, 1:] = h[:, :-1]
+    return alias
+
+
+def _positional_mask_assign(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    out = h.clone()
+    out[:, _positions(h) % 2 == 0] = 0.0
+    return out
+
+
 MIXING: dict[str, Op] = {
     "shift_slice_assign": _shift_by_slice_assignment,
     "shift_right_slice_assign": _shift_right_by_slice_assignment,
@@ -169,6 +184,8 @@ MIXING: dict[str, Op] = {
     "avg_pool": _pool_over_positions,
     "resample": _resample_positions,
     "sum_over_sequence": lambda m, h: h + h.sum(1, keepdim=True) / h.shape[1],
+    "write_through_alias": _write_through_alias,
+    "positional_mask_assign": _positional_mask_assign,
 }
 
 
@@ -189,7 +206,14 @@ def _flatten_tokens(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
     return m.linear(h.reshape(b * n, d)).reshape(b, n, d)
 
 
+def _copy_whole(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(h)
+    out.copy_(h * 2.0)
+    return out
+
+
 TOKEN_LOCAL: dict[str, Op] = {
+    "copy_whole": _copy_whole,
     "gelu": lambda m, h: F.gelu(h),
     "linear": lambda m, h: m.linear(h),
     "layer_norm": lambda m, h: m.norm(h),
@@ -355,3 +379,39 @@ def program_worker(rank: int, world_size: int, programs: list[tuple[str, ...]], 
         problems, seen = check_program(tuple(program), lengths)
         results["+".join(program)] = {"problems": problems, **seen}
     return results
+
+
+class MultiTokenPrediction(nn.Module):
+    """A multi-token-prediction head as model libraries write it: the labels ``k`` tokens ahead are
+    a shifted copy of the ids written into a ``full_like`` buffer of ignore indices."""
+
+    def __init__(self, vocab: int = 32, ahead: int = 2) -> None:
+        super().__init__()
+        self.vocab, self.ahead = vocab, ahead
+        self.embed = nn.Embedding(vocab, D)
+        self.body = ProgramModel(())
+        self.heads = nn.ModuleList(nn.Linear(D, vocab) for _ in range(ahead))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.body(self.embed(ids))
+        n, loss = ids.shape[1], h.new_zeros(())
+        for k, head in enumerate(self.heads, start=1):
+            labels = torch.full_like(ids, -100)
+            labels[:, : n - k] = ids[:, k:]
+            loss = loss + F.cross_entropy(head(h).flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return loss
+
+
+def build_multi_token_prediction() -> MultiTokenPrediction:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return MultiTokenPrediction()
+
+
+def token_ids(length: int, batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, 32, (batch, length), generator=torch.Generator().manual_seed(length))
+
+
+def multi_token_prediction_worker(rank: int, world_size: int, lengths: list[int]) -> dict[str, Any]:
+    problems, seen = check_model("multi_token_prediction", build_multi_token_prediction, token_ids, lengths)
+    return {"problems": problems, **seen}

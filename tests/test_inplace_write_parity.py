@@ -29,3 +29,15 @@ def test_writes_along_the_sequence_are_at_parity_and_gathered_with_a_reason():
                 assert result["gathers"] and all(result["gathers"]), (name, result["gathers"])
     reasons = results[0]["shift_slice_assign"]["gathers"]
     assert all("written in place (copy_" in reason for reason in reasons), reasons
+
+
+def test_multi_token_prediction_labels_written_by_slice_assignment():
+    # The held-out spelling: labels k tokens ahead written into full_like(ids, -100). The buffer
+    # runs on the full ids (no gradient, no collective: the ids are whole on every rank); the
+    # shifted labels reach each loss as this rank's chunk, so the losses stay shard-local.
+    from sequence_programs import multi_token_prediction_worker
+
+    (result, _) = run_in_process_world(multi_token_prediction_worker, 2, [8, 7], timeout=900)
+    assert not result["problems"], "\n".join(result["problems"])
+    assert result["sharded_sites"] == result["attention_sites"] == 4
+    assert not any("loss" in reason for reason in result["gathers"]), result["gathers"]

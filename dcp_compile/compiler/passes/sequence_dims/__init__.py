@@ -10,7 +10,8 @@ Laid out as PyTorch's DTensor op rules are (``torch/distributed/tensor/_ops/``):
 * one module of rules per op family, each importing only the three above: ``attention_rules``,
   ``view_rules``, ``indexing_rules`` (with joint segments), ``reduction_rules``,
   ``matmul_rules``, ``token_sets`` (an MoE's sorted tokens), ``elementwise_rules``,
-  ``grid_rules`` (token grids run on each rank's window);
+  ``grid_rules`` (token grids run on each rank's window), ``schema_reductions`` (any reduction,
+  read off its schema and shapes), ``inplace_writes`` (buffers written in place: default deny);
 * ``propagation``: the driver (attention length, then roles in topological order) and the pass.
 
 Every node gets a role (see ``Role``): a *source* creates a sequence dimension, *token-local* ops

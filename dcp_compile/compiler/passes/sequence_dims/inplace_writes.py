@@ -13,9 +13,10 @@ annotated as written, a return that aliases its input), with no list of ops:
   source, or a write with an exact chunked rewrite) by the rules and its base is computed in
   the graph: then each write lands in the rank's chunk of the buffer, exactly as the full write
   lands in the full buffer;
-* any other written group that touches the sequence runs on the full sequence: each member is
-  sequence-mixing (gathered, with the reason below) and token-local readers take their chunk of
-  the written buffer afterwards.
+* any other written group that touches the sequence runs on the full sequence: each member up
+  to the last write is sequence-mixing (gathered, with the reason below); views taken after it
+  and other readers follow their own rules on the written buffer (token-local ones take their
+  chunk of it).
 
 ``propagation`` runs the analysis, asks :func:`unproven_writes` which members to force, and runs
 it again with them forced, until nothing changes (forcing one group can unprove another).
@@ -150,9 +151,13 @@ def unproven_writes(analysis: SequenceAnalysis, graph: fx.Graph) -> dict[fx.Node
         write = group.writes[0]
         reason = (f"written in place ({op_name(write)} into a view of {group.base.name}) where the write's "
                   "source and target chunks are not proven to line up: the buffer runs on the full sequence")
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        last_write = max(order[w] for w in group.writes)
         for member in group.members:
             if member.op in ("placeholder", "get_attr") or member in analysis.written_aliases:
                 continue
+            if order[member] > last_write:
+                continue  # a view taken after the last write only reads the written buffer: its own rule
             forced[member] = reason
     return forced
 
