@@ -212,8 +212,18 @@ def _copy_whole(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _fresh_buffer_feature_writes(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
+    # A buffer created with the sequence's size, written per feature on chunks, then read whole.
+    b, n, d = h.shape
+    out = torch.zeros(b, n, d, dtype=h.dtype)
+    out[..., : d // 2] = h[..., : d // 2]
+    out[..., d // 2:] = -h[..., d // 2:]
+    return out
+
+
 TOKEN_LOCAL: dict[str, Op] = {
     "copy_whole": _copy_whole,
+    "fresh_buffer_feature_writes": _fresh_buffer_feature_writes,
     "gelu": lambda m, h: F.gelu(h),
     "linear": lambda m, h: m.linear(h),
     "layer_norm": lambda m, h: m.norm(h),

@@ -33,6 +33,7 @@ REGRESSIONS: list[tuple[tuple[str, ...], tuple[int, ...]]] = [
     (("shift_right_slice_assign", "gelu"), (5,)),
     (("copy_into_view",), (3,)),
     (("index_put_",), (7,)),
+    (("write_through_alias", "linear"), (6,)),  # a view taken before the write sees it
 ]
 
 

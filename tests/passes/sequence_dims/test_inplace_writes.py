@@ -83,3 +83,17 @@ def test_a_write_into_a_graph_input_is_never_left_on_the_chunk():
     gm = trace(write_input, torch.randn(2, 7, 8))
     analysis = analysed_with_writes(gm, size(gm, 0, 1))
     assert analysis.role_of(node(gm, aten.mul_.Tensor)) is Role.MIXING
+
+
+def test_a_view_taken_after_the_last_write_only_reads_the_buffer():
+    # The feature writes are proven on chunks; the later shift is a read of the written buffer
+    # (its own rule gathers it), not a reason to run the buffer and its writes on the full sequence.
+    def write_then_shift(x):
+        out = torch.zeros_like(x)
+        out[..., :4] = x[..., :4]
+        return out[:, 1:] * 2
+
+    gm = trace(write_then_shift, torch.randn(2, 7, 8))
+    analysis = analysed_with_writes(gm, size(gm, 0, 1))
+    assert not analysis.written_aliases
+    assert analysis.role_of(node(gm, aten.zeros_like.default)) is Role.TOKEN_LOCAL

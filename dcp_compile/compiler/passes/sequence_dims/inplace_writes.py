@@ -120,10 +120,13 @@ def alias_groups(graph: fx.Graph) -> list[AliasGroup]:
     return result
 
 
-def _proven(group: AliasGroup, analysis: SequenceAnalysis) -> bool:
+def _proven(group: AliasGroup, analysis: SequenceAnalysis, order: dict[fx.Node, int]) -> bool:
     if group.base.op in ("placeholder", "get_attr"):
         return False  # a write into an input would reach only the rank's chunk of it
+    last_write = max(order[w] for w in group.writes)
     for member in group.members:
+        if order[member] > last_write:
+            continue  # a view taken after the last write reads the buffer like any reader
         role = analysis.roles.get(member)
         if role is None:
             continue
@@ -145,13 +148,13 @@ def unproven_writes(analysis: SequenceAnalysis, graph: fx.Graph) -> dict[fx.Node
     """Members of written alias groups the rules did not prove token-local, with the reason
     each is run on the full sequence. Members already forced are left out."""
     forced: dict[fx.Node, str] = {}
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for group in alias_groups(graph):
-        if not _touches_sequence(group, analysis) or _proven(group, analysis):
+        if not _touches_sequence(group, analysis) or _proven(group, analysis, order):
             continue
         write = group.writes[0]
         reason = (f"written in place ({op_name(write)} into a view of {group.base.name}) where the write's "
                   "source and target chunks are not proven to line up: the buffer runs on the full sequence")
-        order = {n: i for i, n in enumerate(graph.nodes)}
         last_write = max(order[w] for w in group.writes)
         for member in group.members:
             if member.op in ("placeholder", "get_attr") or member in analysis.written_aliases:
