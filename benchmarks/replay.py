@@ -4,8 +4,12 @@ Every scheduler plans the same steps (the same samples per optimizer step, iso-b
 same cost model, measured by ``dcp.profile`` on this device. Then each plan is *replayed*: every
 micro-batch of every rank is run on this device at its per-rank shapes (the compiled variant of
 its SP size and recompute policy, on a one-process fake world, so the time is the rank's compute
-alone), and each rank's busy time is the sum of its micro-batches' measured times plus their
-modelled all-to-alls. A step takes its slowest rank, plus one modelled gradient all-reduce.
+alone; every distinct micro-batch of every plan is timed in rounds over all of them, in a shuffled
+order, median of ``--repeats``, so a slow phase of a shared machine hits every scheduler alike),
+and each rank's busy time is the sum of its micro-batches' measured times plus their modelled
+all-to-alls. A step takes its slowest rank. The gradient all-reduce (one per step for
+every scheduler, iso-batch) is left out of the step and shown beside it: on a CPU stand-in it is
+out of proportion (a toy model's gradient over links slowed to the CPU's speed).
 
 Labels: compute **measured** (this device, named in the results), communication **modelled**:
 on a GPU the H200 preset (NVLink 4: 450 GB/s one way per GPU inside a node of 8, NVIDIA's H200 SXM
@@ -145,28 +149,68 @@ def with_links(cost_model: dcp.CostModel, factor: float) -> dcp.CostModel:
 
 
 class Replayer:
-    """Times each distinct per-rank micro-batch once on the device (median of ``repeats``)."""
+    """Times every distinct per-rank micro-batch of every plan on the device: all of them once to
+    warm up, then ``repeats`` rounds over all of them in a shuffled order (median), so a slow
+    phase of a shared machine spreads over every scheduler's micro-batches alike."""
 
     def __init__(self, model: TinyGPT, setup: Setup, repeats: int) -> None:
         self.model, self.setup, self.repeats = model, setup, repeats
-        self.compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "inductor" if setup.device.type == "cuda" else "aot_eager", "check_ranks": False})
+        inner = "inductor" if setup.device.type == "cuda" else "aot_eager"
+        self.compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": inner, "check_ranks": False})
         self.make = packed_inputs(setup)
         self.cache: dict[tuple, float] = {}
 
+    @staticmethod
+    def key(lengths: Sequence[int], sp_size: int, recompute: dcp.RecomputePolicy | str) -> tuple:
+        return tuple(sorted(lengths)), sp_size, dcp.RecomputePolicy.parse(recompute)
+
+    def measure(self, keys: set[tuple]) -> None:
+        from tqdm.auto import tqdm
+
+        keys = sorted(keys - set(self.cache), key=lambda k: (k[1], k[2].value, k[0]))
+        steps = {key: self._step(key) for key in keys}
+        times: dict[tuple, list[float]] = {key: [] for key in keys}
+        rng = random.Random(0)
+        rounds = [None] + list(range(self.repeats))  # a warm-up round, then the timed ones
+        with tqdm(total=len(rounds) * len(keys), desc="replay: timing micro-batches", unit="mb", leave=False) as bar:
+            for round_index in rounds:
+                order = list(keys)
+                rng.shuffle(order)
+                for key in order:
+                    timing = time_step(steps[key], self.setup.device, repeats=1, warmup=0)
+                    if round_index is not None:
+                        times[key].append(timing.seconds)
+                    bar.update()
+        for key, values in times.items():
+            self.cache[key] = statistics.median(values)
+
+    def _step(self, key: tuple):
+        lengths, sp_size, recompute = key
+        inputs = self.make(list(lengths))
+        variant = dcp.Variant(sp_size, recompute)
+
+        def step() -> None:
+            with use(variant, sequence_lengths=list(lengths)):
+                loss = self.compiled(*inputs)
+            loss.backward()
+            self.model.zero_grad(set_to_none=False)
+
+        return step
+
     def seconds(self, lengths: Sequence[int], sp_size: int, recompute: dcp.RecomputePolicy) -> float:
-        key = (tuple(sorted(lengths)), sp_size, dcp.RecomputePolicy.parse(recompute))
-        if key not in self.cache:
-            inputs = self.make(list(key[0]))
-            variant = dcp.Variant(sp_size, key[2])
+        return self.cache[self.key(lengths, sp_size, recompute)]
 
-            def step() -> None:
-                with use(variant, sequence_lengths=list(key[0])):
-                    loss = self.compiled(*inputs)
-                loss.backward()
-                self.model.zero_grad(set_to_none=False)
 
-            self.cache[key] = time_step(step, self.setup.device, repeats=self.repeats, warmup=1).seconds
-        return self.cache[key]
+def keys_of(schedule: Schedule, lengths: Sequence[int]) -> set[tuple]:
+    """The distinct micro-batches a replay of ``schedule`` times (a fully recomputed one also
+    without recompute: DCP-inter's pyramid sits between the two)."""
+    keys = set()
+    for mb in schedule.microbatches:
+        mb_lengths = [lengths[p] for p in mb.positions]
+        keys.add(Replayer.key(mb_lengths, mb.sp_size, mb.recompute))
+        if mb.recompute == dcp.RecomputePolicy.FULL:
+            keys.add(Replayer.key(mb_lengths, mb.sp_size, dcp.RecomputePolicy.NONE))
+    return keys
 
 
 def replay(schedule: Schedule, lengths: Sequence[int], replayer: Replayer, cost_models: Sequence[dcp.CostModel]) -> dict:
@@ -253,28 +297,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     with fake_world(max(args.worlds)):
         replayer = Replayer(model, setup, args.repeats)
+        plans = []  # (world, band, bound, tokens, sync, [(name, schedule, ordered) per step])
         for world in args.worlds:
             cost_model_w = replace(cost_model, optimizer_shards=world)
             band = [with_links(cost_model_w, f) for f in BAND]
             sampler = dcp.DataCentricSampler(lengths_pool, setup.tokens_per_step, cost_model=cost_model_w,
                                              world_size=world, rank=0, seed=0, verify_plan=False)
             planner = Planner(cost_model_w, world)
-            totals = {name: [0.0] * len(BAND) for name in SCHEDULERS}
-            busy = {name: 0.0 for name in SCHEDULERS}
-            bound = 0.0
+            steps = []
+            bound = sync = 0.0
             tokens = 0
-            for step_index, indices in enumerate(sampler.steps(0)[: args.steps]):  # the sampler's cut of the epoch
+            for indices in sampler.steps(0)[: args.steps]:  # the sampler's cut of the epoch
                 lengths = [lengths_pool[i] for i in indices]
                 tokens += sum(lengths)
                 bound += planner.lower_bound(lengths)
-                sync = [m.hardware.all_reduce_seconds(m.profile.parameter_bytes, world) for m in band]
-                for name, (schedule, ordered) in schedules_for(planner, world, lengths, setup.longest).items():
+                sync += band[1].hardware.all_reduce_seconds(band[1].profile.parameter_bytes, world)
+                steps.append([(name, schedule, ordered) for name, (schedule, ordered)
+                              in schedules_for(planner, world, lengths, setup.longest).items()])
+            plans.append((world, band, bound, tokens, sync, steps))
+        keys = set().union(*(keys_of(schedule, ordered) for *_, steps in plans for step in steps
+                             for _, schedule, ordered in step))
+        print(f"  {len(keys)} distinct micro-batches to time ({time.perf_counter() - started:.0f} s)", flush=True)
+        replayer.measure(keys)
+        for world, band, bound, tokens, sync, steps in plans:
+            totals = {name: [0.0] * len(BAND) for name in SCHEDULERS}
+            busy = {name: 0.0 for name in SCHEDULERS}
+            for step in steps:
+                for name, schedule, ordered in step:
                     replayed = replay(schedule, ordered, replayer, band)
-                    for i, (makespan, compute) in enumerate(replayed):
-                        totals[name][i] += makespan + sync[i]
+                    for i, (makespan, _) in enumerate(replayed):
+                        totals[name][i] += makespan
                     busy[name] += replayed[1][1]
-                print(f"  world {world}: step {step_index} replayed ({len(replayer.cache)} distinct micro-batches timed, "
-                      f"{time.perf_counter() - started:.0f} s)", flush=True)
             for name in SCHEDULERS:
                 seconds = totals[name]
                 rows.append({
@@ -283,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "tokens_per_s_slow_links": tokens / seconds[2],
                     "utilisation": busy[name] / (world * seconds[1]),
                     "bound_ratio": bound / seconds[1] if bound else math.nan,
+                    "sync_s_per_step": sync / len(steps), "step_s": seconds[1] / len(steps),
                 })
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -296,17 +350,21 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"samples: Zipf text lengths {setup.shortest}..{setup.longest}, {setup.tokens_per_step:,} tokens per "
              f"step, {args.steps} steps per world size, the same samples per step for every scheduler. "
              + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".", "",
-             "| ranks | scheduler | tokens/s (band: slow..fast links) | DCP / it | utilisation | of DCP's bound |",
-             "|---:|---|---|---:|---:|---:|"]
+             "| ranks | scheduler | tokens/s (band: slow..fast links) | DCP / it | utilisation | of DCP's bound | "
+             "step s (+ modelled all-reduce s) |",
+             "|---:|---|---|---:|---:|---:|---|"]
     for world in args.worlds:
         mine = [r for r in rows if r["world"] == world]
         dcp_rate = next(r["tokens_per_s"] for r in mine if r["scheduler"] == "dcp")
         for r in mine:
             lines.append(f"| {world} | {r['scheduler']} | {r['tokens_per_s']:,.0f} ({r['tokens_per_s_slow_links']:,.0f}.."
                          f"{r['tokens_per_s_fast_links']:,.0f}) | {dcp_rate / r['tokens_per_s']:.2f}x | "
-                         f"{100 * r['utilisation']:.0f}% | {100 * r['bound_ratio']:.0f}% |")
+                         f"{100 * r['utilisation']:.0f}% | {100 * r['bound_ratio']:.0f}% | {r['step_s']:.3f} "
+                         f"(+ {r['sync_s_per_step']:.3f}) |")
     lines += ["", "Utilisation: measured compute over ranks x step time. 'Of DCP's bound': the planner's lower bound "
-              "(priced by the profiled cost model) over the replayed step time.", "", profile_text]
+              "(priced by the profiled cost model) over the replayed step time. Step time without the gradient "
+              "all-reduce, which is the same for every scheduler; its modelled time is shown beside it.", "",
+              profile_text]
     (out / f"replay_{tag}.md").write_text("\n".join(lines) + "\n")
     (out / f"replay_{tag}.json").write_text(json.dumps({"device": device_name(device), "software": versions,
                                                        "rows": rows}, indent=2))
