@@ -229,22 +229,23 @@ class MachineSpeed:
 
 def probe_machine(compiled, model: torch.nn.Module, cost_model: dcp.CostModel, world_size: int,
                   device: torch.device) -> MachineSpeed:
-    """Time two probe micro-batches now (the slowest rank's best of three) against the cost model:
+    """Time two probe micro-batches now (the slowest rank's median of three, as the profile takes
+    its points) against the cost model:
     a shared machine's load moves between the profile and each step, by more than the schedules
     differ; the probes measure where it stands, so a prediction can be read at today's speed."""
     sample = torch.randint(1, VOCAB, (PROBE_LENGTH,), generator=torch.Generator().manual_seed(2))
     packed = pack([sample], [0], device)
 
     def timed(variant: dcp.Variant) -> float:
-        best = math.inf
+        times = []
         for _ in range(3):
             _barrier()
             start = time.perf_counter()
             packed_loss(compiled, variant, packed).backward()
             _synchronize(device)
-            best = min(best, time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
-        return _world_max(best, device)
+        return _world_max(statistics.median(times), device)
 
     compute = timed(dcp.Variant(1, "none")) / cost_model.time([PROBE_LENGTH], 1, "none")
     if world_size == 1:
@@ -379,18 +380,22 @@ def run_step(compiled, model, optimizer, dataset, work: Sequence[tuple[dcp.Micro
     """One optimizer step over ``work`` = this rank's (micro-batch, variant, counts its loss) list.
 
     Returns (elapsed, busy, this rank's share of the step loss). The step loss is the sum over
-    micro-batches of ``loss * loss_scale``, counted by one rank of each micro-batch's group.
+    micro-batches of ``loss * loss_scale``, counted by one rank of each micro-batch's group. The
+    micro-batches are packed before the clock starts, as a ``DataLoader``'s workers would have
+    them ready: what is timed is what the cost model prices (the compiled forward and backward).
     """
+    batches = [pack(dataset, mb.indices, device) for mb, _, _ in work]
     _barrier()
     start = time.perf_counter()
-    loss_share = 0.0
-    for mb, variant, counts in work:
-        loss = packed_loss(compiled, variant, pack(dataset, mb.indices, device)) * mb.loss_scale
+    counted = []
+    for (mb, variant, counts), batch in zip(work, batches):
+        loss = packed_loss(compiled, variant, batch) * mb.loss_scale
         loss.backward()
         if counts:
-            loss_share += float(loss.detach())
+            counted.append(loss.detach())
     _synchronize(device)
     busy = time.perf_counter() - start
+    loss_share = float(sum(counted)) if counted else 0.0
     dcp.sync_gradients(model)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
