@@ -106,7 +106,9 @@ def profile(
                          f"terms apart; got {fit_lengths}")
     held_lengths = tuple(default_held_out_lengths(fit_lengths) if held_out is None else sorted(set(held_out)))
     device = _device_of(model)
-    prior = prior or ModelProfile.measure(model, make_inputs, lengths=fit_lengths[:3], causal=causal)
+    if prior is None:  # FLOPs and saved bytes counted on the model: the analytic prior
+        one_sample = (lambda n: make_inputs([n])) if packed else make_inputs
+        prior = ModelProfile.measure(model, one_sample, lengths=fit_lengths[:3], causal=causal)
     hardware = hardware or Hardware.detect()
     scalar = loss or scalar_loss
 
