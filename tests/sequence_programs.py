@@ -197,7 +197,7 @@ def _feature_slice_assign(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
 
 def _inplace_scale(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
     out = h.clone()
-    out.mul_(2.0).add_(1.0)
+    out.mul_(0.5).add_(0.25)
     return out
 
 
@@ -208,7 +208,7 @@ def _flatten_tokens(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
 
 def _copy_whole(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(h)
-    out.copy_(h * 2.0)
+    out.copy_(h * 0.5)  # every op keeps magnitudes bounded: a chain must not blow up the logits
     return out
 
 
@@ -289,10 +289,11 @@ def run(model: nn.Module, call: Callable[[torch.Tensor], torch.Tensor], x: torch
 
 
 def check_program(program: tuple[str, ...], lengths: list[int], rtol: float = 1e-5,
-                  atol: float = 1e-5, shard_required: bool = True) -> tuple[list[str], dict[str, Any]]:
+                  atol: float = 1e-5, shard_required: bool = True,
+                  scaled_atol: bool = False) -> tuple[list[str], dict[str, Any]]:
     """Parity problems of one program at ``lengths`` and what its SP>1 variants did."""
     return check_model("+".join(program) or "identity", lambda: build(program), inputs, lengths, rtol, atol,
-                       shard_required=shard_required)
+                       shard_required=shard_required, scaled_atol=scaled_atol)
 
 
 def shrink(program: tuple[str, ...], length: int) -> tuple[str, ...]:
@@ -304,11 +305,19 @@ def shrink(program: tuple[str, ...], length: int) -> tuple[str, ...]:
         changed = False
         for index in range(len(current)):
             candidate = current[:index] + current[index + 1:]
-            problems, _ = check_program(candidate, [length], shard_required=False)
+            problems, _ = check_program(candidate, [length], FUZZ_RTOL, FUZZ_ATOL, shard_required=False,
+                                       scaled_atol=True)
             if problems:
                 current, changed = candidate, True
                 break
     return current
+
+
+# The fuzzer's tolerance: fp32 partial gradients of P ranks summed in another order differ from
+# eager by ~1e-7 of the terms summed, and a program's products (x8 through three doublings) make
+# those terms large, so atol scales with each tensor's largest magnitude (``scaled_atol``). A
+# sharding error is of the values' own size (a loss error of 4e-2, gradients 40x off in issue 24).
+FUZZ_RTOL, FUZZ_ATOL = 1e-5, 1e-5
 
 
 def fuzz_worker(rank: int, world_size: int, cases: list[tuple[tuple[str, ...], tuple[int, ...]]]) -> dict[str, Any]:
@@ -317,7 +326,8 @@ def fuzz_worker(rank: int, world_size: int, cases: list[tuple[tuple[str, ...], t
     torch.manual_seed(0)
     failures, gathers, not_sharded, checked = [], 0, 0, 0
     for program, lengths in cases:
-        problems, seen = check_program(tuple(program), list(lengths), shard_required=False)
+        problems, seen = check_program(tuple(program), list(lengths), FUZZ_RTOL, FUZZ_ATOL, shard_required=False,
+                                       scaled_atol=True)
         checked += len(lengths)
         gathers += len(seen["gathers"])
         not_sharded += len(seen["not_sharded"])
@@ -330,11 +340,18 @@ def fuzz_worker(rank: int, world_size: int, cases: list[tuple[tuple[str, ...], t
 
 def check_model(name: str, factory: Callable[[], nn.Module], make_input: Callable[[int], torch.Tensor],
                 lengths: list[int], rtol: float = 1e-5, atol: float = 1e-5,
-                gather_budget: int = 8, shard_required: bool = True) -> tuple[list[str], dict[str, Any]]:
+                gather_budget: int = 8, shard_required: bool = True,
+                scaled_atol: bool = False) -> tuple[list[str], dict[str, Any]]:
     """Parity problems of ``factory()`` compiled once and run at ``lengths`` (the loss is the mean
     square output), and what its SP>1 variants did: sites sharded, gathers with their reasons.
     With ``shard_required`` False, a variant that is not fully sharded is recorded under
-    ``not_sharded`` instead of being a problem (the fuzzer asks for parity first)."""
+    ``not_sharded`` instead of being a problem (the fuzzer asks for parity first). With
+    ``scaled_atol``, ``atol`` is relative to each tensor's largest magnitude (fp32 sums of large
+    terms reordered over ranks cancel to small entries with an absolute error of ~1e-7 x the terms)."""
+    def close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+        scale = max(1.0, expected.abs().max().item()) if scaled_atol and expected.numel() else 1.0
+        return torch.allclose(got, expected, rtol=rtol, atol=atol * scale)
+
     import dcp_compile as dcp
     from dcp_compile.testing.sharding_checks import sharding_problems
 
@@ -355,12 +372,12 @@ def check_model(name: str, factory: Callable[[], nn.Module], make_input: Callabl
             problems.append(f"{label}: raised\n{traceback.format_exc()}")
             continue
         (out_ref, grads_ref), (out, grads) = reference, actual
-        if out.shape != out_ref.shape or not torch.allclose(out, out_ref, rtol=rtol, atol=atol):
+        if out.shape != out_ref.shape or not close(out, out_ref):
             error = (out - out_ref).abs().max().item() if out.shape == out_ref.shape else float("nan")
             problems.append(f"{label}: SILENTLY WRONG output (max abs error {error:.3g})")
         for param, expected in grads_ref.items():
             got = grads.get(param)
-            if got is None or not torch.allclose(got, expected, rtol=rtol, atol=atol):
+            if got is None or not close(got, expected):
                 error = float("nan") if got is None else (got - expected).abs().max().item()
                 problems.append(f"{label}: SILENTLY WRONG grad {param} (max abs error {error:.3g})")
         unsharded = [f"{label}: {p}" for p in sharding_problems(records, gather_budget=gather_budget)]
