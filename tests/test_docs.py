@@ -194,6 +194,7 @@ def _trainer(rank: int, world_size: int, directory: str) -> dict:
     }
 
 
+@pytest.mark.slow  # 70 s on 2 cores; the DataCentricTrainer itself is tested by tests/test_hf_trainer.py (25 s)
 def test_the_trainer_block_runs_as_written_on_two_ranks(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     results = run_in_process_world(_trainer, 2, str(tmp_path), timeout=900)
@@ -226,6 +227,7 @@ def _accelerate(rank: int, world_size: int) -> dict:
     return {n: p.detach().tolist() for n, p in namespace["model"].named_parameters()}
 
 
+@pytest.mark.slow  # 50 s on 2 cores; dcp.accelerate itself is tested by tests/test_accelerate.py (25 s)
 def test_the_accelerate_block_runs_as_written_and_equals_one_process() -> None:
     pytest.importorskip("accelerate")
     from dcp_compile.testing.padded_batches import pad_right

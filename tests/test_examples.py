@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 STEP_LINE = re.compile(r"^step (\d+): \d+ tokens, [\d,]+ tokens/s, loss [\d.]+ \| plan: (.*) \| "
@@ -81,6 +83,7 @@ def test_the_video_dit_example_trains_on_mixed_resolutions_and_shows_plans(tmp_p
     assert (tmp_path / "checkpoints" / "video_dit" / "step_000000003" / ".metadata").is_file()
 
 
+@pytest.mark.slow  # 80 s on 2 cores; the Accelerate loop itself is tested by tests/test_accelerate.py (25 s)
 def test_the_accelerate_video_dit_example_trains_resumes_and_prints_the_sharding_summary(tmp_path: Path) -> None:
     output = run_example("train_video_dit_accelerate.py", tmp_path, "--steps", "2", "--checkpoint-every", "2")
     assert sorted(trained_steps(output)) == [1, 2], output[-3000:]
