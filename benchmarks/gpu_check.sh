@@ -26,7 +26,7 @@ cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-benchmarks/results}"
 TESTS="${GPU_CHECK_TESTS:-none}"
 BENCH="${GPU_CHECK_BENCH:-quick}"
-STEP_TIMEOUT="${GPU_CHECK_TIMEOUT:-240}"
+STEP_TIMEOUT="${GPU_CHECK_TIMEOUT:-270}"
 mkdir -p "$OUT_DIR"
 
 { nvidia-smi || echo "nvidia-smi unavailable"; } > "$OUT_DIR/kernels_nvidia_smi.txt" 2>&1
@@ -58,8 +58,12 @@ run_step() {  # name, then the command: logged to $OUT_DIR/<name>.log, its exit 
   [ "$rc" -eq 0 ] || status=1
 }
 if python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-  [ "${GPU_CHECK_PROFILE:-yes}" = "no" ] || run_step profile python benchmarks/profile_blocks.py --device cuda --repeats 5 --out-dir "$OUT_DIR"
-  [ "${GPU_CHECK_REPLAY:-yes}" = "no" ] || run_step replay python benchmarks/replay.py --device cuda --steps 2 --out-dir "$OUT_DIR"
+  # Inductor compiles each variant (minutes for all of them): the profile keeps two policies, the
+  # replay (which compiles every SP size up to 32 its plans use) runs aot_eager; both files say so.
+  [ "${GPU_CHECK_PROFILE:-yes}" = "no" ] || run_step profile python benchmarks/profile_blocks.py --device cuda \
+      --repeats 5 --recompute none full --inner "${GPU_CHECK_PROFILE_INNER:-inductor}" --out-dir "$OUT_DIR"
+  [ "${GPU_CHECK_REPLAY:-yes}" = "no" ] || run_step replay python benchmarks/replay.py --device cuda --steps 2 \
+      --inner "${GPU_CHECK_REPLAY_INNER:-aot_eager}" --out-dir "$OUT_DIR"
 fi
 
 if [ "$BENCH" != "none" ]; then

@@ -98,13 +98,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--recompute", nargs="+", default=[p.value for p in dcp.RecomputePolicy])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--inner", default=None, choices=["inductor", "aot_eager", "eager"],
+                        help="inner compiler (default: inductor on a GPU, aot_eager on a CPU)")
     parser.add_argument("--out-dir", default=str(RESULTS))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     if not gpu:
         torch.set_num_threads(1)
-    inner = "inductor" if gpu else "aot_eager"
+    inner = args.inner or ("inductor" if gpu else "aot_eager")
     started = time.perf_counter()
     sections, summary, records = [], [], {}
     for name in args.models:

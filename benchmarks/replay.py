@@ -153,9 +153,8 @@ class Replayer:
     warm up, then ``repeats`` rounds over all of them in a shuffled order (median), so a slow
     phase of a shared machine spreads over every scheduler's micro-batches alike."""
 
-    def __init__(self, model: TinyGPT, setup: Setup, repeats: int) -> None:
+    def __init__(self, model: TinyGPT, setup: Setup, repeats: int, inner: str) -> None:
         self.model, self.setup, self.repeats = model, setup, repeats
-        inner = "inductor" if setup.device.type == "cuda" else "aot_eager"
         self.compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": inner, "check_ranks": False})
         self.make = packed_inputs(setup)
         self.cache: dict[tuple, float] = {}
@@ -263,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile-recompute", nargs="+", default=None,
                         help="policies dcp.profile measures for planning (default: all on a GPU, none and full on a CPU; "
                              "the replay times every micro-batch's own policy either way)")
+    parser.add_argument("--inner", default=None, choices=["inductor", "aot_eager", "eager"],
+                        help="inner compiler of the profile and the replay (default: inductor on a GPU, aot_eager on a CPU)")
     parser.add_argument("--profile-cache", default=None, help="a cost model JSON to reuse (dcp.profile's path=)")
     parser.add_argument("--out-dir", default=str(RESULTS))
     args = parser.parse_args(argv)
@@ -279,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prior = dcp.ModelProfile.transformer("replay-gpt", num_layers=setup.layers, hidden_size=setup.hidden,
                                          num_heads=setup.heads, ffn_hidden_size=4 * setup.hidden, vocab_size=VOCAB,
                                          causal=True, dtype_bytes=2 if setup.dtype == torch.bfloat16 else 4)
-    inner = "inductor" if device.type == "cuda" else "aot_eager"
+    inner = args.inner or ("inductor" if device.type == "cuda" else "aot_eager")
     policies = args.profile_recompute or ([p.value for p in dcp.RecomputePolicy] if device.type == "cuda" else ["none", "full"])
     cost_model = dcp.profile(model, packed_inputs(setup), lengths=profile_lengths, sp_sizes=(1, 2, 4, 8),
                              recompute=policies, causal=True, prior=prior, hardware=hardware, inner=inner,
@@ -296,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lengths_pool = zipf_lengths(4000, setup.shortest, setup.longest)
     rows = []
     with fake_world(max(args.worlds)):
-        replayer = Replayer(model, setup, args.repeats)
+        replayer = Replayer(model, setup, args.repeats, inner)
         plans = []  # (world, band, bound, tokens, sync, [(name, schedule, ordered) per step])
         for world in args.worlds:
             cost_model_w = replace(cost_model, optimizer_shards=world)
@@ -348,7 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"all-reduce are modelled: {link_text}. Band: links 1.5x faster / slower.", "",
              f"Model: TinyGPT width {setup.hidden} x {setup.layers} layers, {setup.heads} heads, {setup.dtype}; "
              f"samples: Zipf text lengths {setup.shortest}..{setup.longest}, {setup.tokens_per_step:,} tokens per "
-             f"step, {args.steps} steps per world size, the same samples per step for every scheduler. "
+             f"step, {args.steps} steps per world size, the same samples per step for every scheduler; inner "
+             f"compiler {inner}. "
              + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".", "",
              "| ranks | scheduler | tokens/s (band: slow..fast links) | DCP / it | utilisation | of DCP's bound | "
              "step s (+ modelled all-reduce s) |",
