@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from dcp_compile.testing.process_world import free_port, run_in_process_world
+from dcp_compile.testing.tiny_models import tiny_llama as testing_tiny_llama
 from doc_blocks import NOT_RUN, REPO, RUN_LANGUAGES, all_blocks, doc_block, run_python_block
 
 VOCAB = 64
@@ -91,15 +92,7 @@ def test_the_guide_builds_with_warnings_as_errors(tmp_path: Path) -> None:
 
 
 def tiny_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, max_position_embeddings=512, use_cache=False, bos_token_id=0, eos_token_id=1,
-        pad_token_id=None, attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config)
+    return testing_tiny_llama(VOCAB)
 
 
 def token_dataset() -> list[torch.Tensor]:

@@ -21,6 +21,7 @@ from dcp_compile.schedule.cost_model import CostModel, ModelProfile
 from dcp_compile.schedule.hardware import Hardware
 from dcp_compile.testing.padded_batches import pad_right
 from dcp_compile.testing.process_world import run_in_process_world
+from dcp_compile.testing.tiny_models import tiny_llama as testing_tiny_llama
 from doc_blocks import doc_block, run_python_block
 
 WORLD_SIZE = 4
@@ -171,15 +172,7 @@ def guide_block() -> str:
 
 
 def guide_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, max_position_embeddings=512, use_cache=False, bos_token_id=0, eos_token_id=1,
-        pad_token_id=None, attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config)
+    return testing_tiny_llama(VOCAB)
 
 
 def guide_dataset() -> list[torch.Tensor]:
