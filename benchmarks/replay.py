@@ -216,7 +216,7 @@ def replay(schedule: Schedule, lengths: Sequence[int], replayer: Replayer, cost_
     """Per link speed of ``cost_models``: (makespan, busy compute) of ``schedule`` with measured compute."""
     out = []
     for model in cost_models:
-        silent = replace(model, scales={**model.scales, "communication": 0.0})
+        silent = model.without_communication()
         loads = [0.0] * schedule.world_size
         compute = [0.0] * schedule.world_size
         for mb in schedule.microbatches:

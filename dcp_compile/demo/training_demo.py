@@ -250,16 +250,12 @@ def probe_machine(compiled, model: torch.nn.Module, cost_model: dcp.CostModel, w
     compute = timed(dcp.Variant(1, "none")) / cost_model.time([PROBE_LENGTH], 1, "none")
     if world_size == 1:
         return MachineSpeed(compute, 1.0)
-    silent = _without_communication(cost_model)
+    silent = cost_model.without_communication()
     predicted_compute = silent.time([PROBE_LENGTH], world_size, "none")
     predicted_communication = cost_model.time([PROBE_LENGTH], world_size, "none") - predicted_compute
     measured = timed(dcp.Variant(world_size, "none"))
     communication = max(measured - compute * predicted_compute, 0.0) / predicted_communication
     return MachineSpeed(compute, communication)
-
-
-def _without_communication(cost_model: dcp.CostModel) -> dcp.CostModel:
-    return replace(cost_model, scales={**cost_model.scales, "communication": 0.0})
 
 
 def at_speed(cost_model: dcp.CostModel, silent: dcp.CostModel, microbatches: Sequence[dcp.MicroBatch],
@@ -481,7 +477,7 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
     weights = {"dcp": initial_state, "static": {k: v.clone() for k, v in initial_state.items()}}
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE) for name in weights}
     results: dict[str, list[StepResult]] = {"dcp": [], "static": []}
-    silent = _without_communication(cost_model)
+    silent = cost_model.without_communication()
     all_dcp: list[dcp.MicroBatch] = []
     all_static: list[dcp.MicroBatch] = []
     say("")
@@ -573,7 +569,7 @@ def warm_up(compiled, model: torch.nn.Module, variants: Sequence[dcp.Variant], d
 def mechanism_lines(cost_model: dcp.CostModel, dcp_mbs: Sequence[dcp.MicroBatch], static_mbs: Sequence[dcp.MicroBatch],
                     lengths: Sequence[int], world_size: int, static_policy: dcp.RecomputePolicy) -> list[str]:
     """Where the difference comes from, priced by the same cost model that made the plans."""
-    silent = replace(cost_model, scales={**cost_model.scales, "communication": 0.0})
+    silent = cost_model.without_communication()
 
     def priced(model: dcp.CostModel, mbs: Sequence[dcp.MicroBatch], policy: dcp.RecomputePolicy | None = None) -> float:
         return sum(mb.sp_size * model.time([lengths[i] for i in mb.indices], mb.sp_size, policy or mb.recompute)

@@ -39,7 +39,7 @@ per-layer overhead) to a short profile in :mod:`.calibration`; the JSON file in
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -133,6 +133,11 @@ class CostModel:
 
     def time_coefficients(self, sp_size: int, recompute: RecomputePolicy | str = "none") -> TimeCoefficients:
         return _time_coefficients(self, sp_size, recompute)
+
+    def without_communication(self) -> "CostModel":
+        """The same model with its communication term at zero: the compute a micro-batch costs,
+        so that ``time - without_communication().time`` is the communication it is priced."""
+        return replace(self, scales={**self.scales, "communication": 0.0})
 
     def source(self, sp_size: int, recompute: RecomputePolicy | str = "none") -> str:
         """Where this variant's compute time comes from: ``measured on <device>``, ``analytic

@@ -25,7 +25,7 @@ import numpy as np
 
 from dcp_compile.variant import RecomputePolicy
 
-from .analytic import MemoryCoefficients, TimeCoefficients, token_sums
+from .analytic import MemoryCoefficients, token_sums
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,6 @@ class VariantFit:
         tokens, token_keys = token_sums(lengths, None)
         return (self.fixed + self.per_token * tokens + self.per_token_key * token_keys
                 + (self.per_sequence or 0.0) * len(lengths))
-
-    def time_coefficients(self) -> TimeCoefficients:
-        return TimeCoefficients(self.fixed, self.per_token, self.per_token_key, self.per_sequence or 0.0)
 
     def memory_coefficients(self) -> MemoryCoefficients | None:
         if self.activation_bytes_per_token is None:
@@ -308,14 +305,7 @@ def markdown_report(costs: MeasuredCosts, title: str = "Profiled cost model") ->
     return "\n".join(lines) + "\n"
 
 
-def relative_error_summary(errors: Sequence[float]) -> str:
-    if not errors:
-        return "no points"
-    absolute = [abs(e) for e in errors]
-    return f"median {100 * statistics.median(absolute):.1f}%, worst {100 * max(absolute):.1f}%"
-
-
 __all__ = [
     "HeldOut", "MeasuredCosts", "Measurement", "VariantFit", "fit_all", "fit_variant", "held_out_errors",
-    "markdown_report", "relative_error_summary", "slowest_of",
+    "markdown_report", "slowest_of",
 ]
