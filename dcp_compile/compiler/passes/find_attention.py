@@ -99,13 +99,37 @@ REGION_OPS_EXTRA = {aten.softmax.int, aten._softmax.default, aten.dropout.defaul
 REGION_SEARCH_DEPTH = 24
 
 
+# Ops over the keys axis (the scores' last dim) that keep the rank: an attention sink's logit
+# concatenated to the scores and sliced off after the softmax, a max subtracted for stability.
+# Under Ulysses each rank holds every key of its heads, so they run there unchanged.
+KEY_AXIS_OPS = {aten.cat.default: 1, aten.slice.Tensor: 1, aten.narrow.default: 1, aten.amax.default: 1,
+                aten.max.dim: 1, aten.logsumexp.default: 1, aten.sum.dim_IntList: 1}
+KEEPDIM_POSITION = {aten.amax.default: 2, aten.max.dim: 2, aten.logsumexp.default: 2, aten.sum.dim_IntList: 2}
+
+
+def _over_key_axis(node: fx.Node, scores_rank: int) -> bool:
+    """An op of KEY_AXIS_OPS over the scores' last dim alone, keeping the scores' rank."""
+    position = KEY_AXIS_OPS[node.target]
+    dims = node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
+    dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
+    if not dims or not all(isinstance(d, int) and d % scores_rank == scores_rank - 1 for d in dims):
+        return False
+    keep = KEEPDIM_POSITION.get(node.target)
+    if keep is not None and not (node.args[keep] if len(node.args) > keep else node.kwargs.get("keepdim", False)):
+        return False
+    return all(_rank_of(source) == scores_rank for source in node.all_input_nodes)
+
+
 def _region_op_ok(node: fx.Node, scores_rank: int) -> bool:
-    """Ops a region may hold: elementwise ones and softmax over the last dim (head-local)."""
+    """Ops a region may hold: elementwise ones, softmax over the last dim and the ops over the keys
+    axis (head-local)."""
     target = node.target
     if target in (aten.softmax.int, aten._softmax.default):
         return node.args[1] % scores_rank == scores_rank - 1
     if target is operator.getitem:
         return True
+    if target in KEY_AXIS_OPS:
+        return _over_key_axis(node, scores_rank)
     return isinstance(target, torch._ops.OpOverload) and (torch.Tag.pointwise in target.tags or target in REGION_OPS_EXTRA)
 
 
@@ -159,6 +183,8 @@ def find_attention_region(softmax: fx.Node) -> AttentionRegion | None:
             if user not in between and _reaches(user, output, REGION_SEARCH_DEPTH):
                 between.add(user)
                 stack.append(user)
+    # An unused element of a member's tuple result (the indices of ``max(dim=-1)``) runs with it.
+    between |= {user for member in between - {output} for user in member.users if _dead_element(user)}
     for member in between - {output}:
         if not set(member.users) <= between:
             return None  # e.g. attention weights also returned (output_attentions=True)
@@ -173,6 +199,11 @@ def find_attention_region(softmax: fx.Node) -> AttentionRegion | None:
             if source not in between and source not in operands and source not in sides:
                 sides.append(source)
     return AttentionRegion(scores, key_transposed, nodes, tuple(sides))
+
+
+def _dead_element(node: fx.Node) -> bool:
+    """An unused element of a tuple result (the indices of ``max(dim=-1)`` when only its values are read)."""
+    return node.target is operator.getitem and not node.users
 
 
 def _reaches(start: fx.Node, goal: fx.Node, depth: int) -> bool:
