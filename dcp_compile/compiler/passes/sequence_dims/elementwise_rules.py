@@ -1,5 +1,6 @@
 """Elementwise ops the pointwise tag does not cover: a dtype cast by example, one-hot encoding,
-a user's elementwise ``autograd.Function``, and the size reads that carry no tensor."""
+a user's elementwise ``autograd.Function``, and the reads of metadata alone (sizes, factories by
+example), which carry no token."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch.fx as fx
 
 from dcp_compile.compiler.custom_autograd import custom_autograd_function, function_of
 from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Role, SequenceAnalysis
-from dcp_compile.compiler.passes.sequence_dims.registry import mixing, pointwise, rule
+from dcp_compile.compiler.passes.sequence_dims.registry import METADATA_READS, mixing, pointwise, rule
 
 aten = torch.ops.aten
 
@@ -40,3 +41,11 @@ def custom_autograd_function_rule(node: fx.Node, analysis: SequenceAnalysis) -> 
 @rule(aten.sym_size.int)
 def sym_size_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     return NodeRole(Role.NONE)
+
+
+@rule(*METADATA_READS)
+def metadata_read_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+    """``x.new_zeros(size)`` and its kin read ``x``'s dtype and device only: no token of ``x`` reaches
+    the result, so it depends on no position. A result whose size holds the sequence length is a
+    fresh sequence-sized value (a source, settled by the registry); any other is replicated."""
+    return NodeRole(Role.NONE, reason="reads only its input's dtype and device")

@@ -45,6 +45,15 @@ VIEWS = {
     aten.squeeze.default, aten.view_as.default, aten.reshape_as.default,
 }
 
+# Factories by example: ops that read their tensor argument (at these positions) only for its
+# dtype, device and layout, never its values or shape (``x.new_zeros(())``). Their result is
+# fresh, the same on every rank whatever layout the argument is in, so it is never gathered for
+# them (``elementwise_rules.metadata_read_rule``; the sharding interpreter hands them the chunk).
+METADATA_READS: dict[Any, tuple[int, ...]] = {
+    aten.new_zeros.default: (0,), aten.new_ones.default: (0,), aten.new_empty.default: (0,),
+    aten.new_full.default: (0,), aten.new_empty_strided.default: (0,),
+}
+
 RULES: dict[Any, Rule] = {}
 
 

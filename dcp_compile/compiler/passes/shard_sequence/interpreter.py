@@ -20,6 +20,7 @@ from dcp_compile.compiler import collectives
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import SDPA
 from dcp_compile.compiler.passes.sequence_dims import VIEWS, GridRegion, Role, SequenceAnalysis, SequenceDim, expression
+from dcp_compile.compiler.passes.sequence_dims.registry import METADATA_READS
 from dcp_compile.compiler.passes.sequence_dims.inplace_writes import alias_groups
 from dcp_compile.compiler.passes.shard_sequence.lowerings import LOWERINGS, CannotShard, GatherRecord
 from dcp_compile.compiler.passes.shard_sequence.plan import ShardPlan
@@ -408,12 +409,21 @@ class ShardingInterpreter(fx.Interpreter):
                 role = self.analysis.roles.get(n)
                 self.unsharded_sites.append((n.name, role.reason if role is not None and role.reason else
                                              "its region holds no sequence-sharded value"))
-        args = fx.map_arg(n.args, lambda a: self.as_full(a, reason, consumer=n))
+        # Arguments read only for their dtype and device: any layout at hand will do.
+        metadata = METADATA_READS.get(n.target, ()) if n.op == "call_function" else ()
+        args = tuple(self._any_layout(a) if i in metadata else fx.map_arg(a, lambda a: self.as_full(a, reason, consumer=n))
+                     for i, a in enumerate(n.args))
         kwargs = fx.map_arg(n.kwargs, lambda a: self.as_full(a, reason, consumer=n))
         target = n.target
         if target in (aten.view.default, aten._unsafe_view.default):
             target = aten.reshape.default  # a gathered value need not be viewable where the original was
         return getattr(self, n.op)(target, args, kwargs)
+
+    def _any_layout(self, node: Any) -> Any:
+        """``node``'s value in whichever layout is at hand, full or chunk, for a read of its metadata."""
+        if isinstance(node, fx.Node) and node not in self.full and node in self.chunk:
+            return self.chunk[node]
+        return self.as_full(node)
 
     def _sym_size(self, n: fx.Node) -> Any:
         source, dim = n.args
