@@ -25,11 +25,12 @@ from dcp_compile.compiler.free_integers import (
 from dcp_compile.compiler.graph_capture import capture_aten_graph, retrace
 from dcp_compile.compiler.inspection import snapshots_requested
 from dcp_compile.compiler.options import parse_options
-from dcp_compile.compiler.progress import AnalysedGraph, report_compiled
+from dcp_compile.compiler.progress import AnalysedGraph, compiling, report_compiled
 from dcp_compile.compiler.passes import ANALYSIS_PASSES, VARIANT_PASSES, run_passes
 from dcp_compile.compiler.passes.context import Analysis, PassContext
 from dcp_compile.compiler.passes.shard_sequence import SCALAR_READS
 from dcp_compile.compiler.record import GraphRecord
+from dcp_compile.compiler.variant_selection import active_variant
 from dcp_compile.runtime.process_groups import create_sp_groups
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ def dcp_backend(gm: fx.GraphModule, example_inputs: list[Any],
         # Every rank compiles the same graphs in the same order: create the SP groups here, so
         # that ranks choosing different variants later never wait on each other in new_group.
         create_sp_groups(extra_sizes=[b.variant.sp_size for b in parsed.buckets] + [parsed.sp_size or 1])
-    aten_gm, fake_inputs, fake_mode = capture_aten_graph(gm, example_inputs)
+    with compiling("a graph from dynamo", "ATen re-trace"):
+        aten_gm, fake_inputs, fake_mode = capture_aten_graph(gm, example_inputs)
     free = free_integer_inputs(fake_inputs)
     if not free:
         return analysed_dispatcher(aten_gm, fake_inputs, fake_mode, example_inputs, parsed, start)
@@ -81,9 +83,10 @@ def analysed_dispatcher(aten_gm: fx.GraphModule, fake_inputs: list[Any], fake_mo
     )
     ctx = PassContext(fake_inputs=fake_inputs, fake_mode=fake_mode, record=record, analysis=analysis,
                       snapshots=snapshots_requested())
-    analysed = run_passes(aten_gm, ctx, ANALYSIS_PASSES, graph_id=record.graph_id,
-                          disabled=parsed.disable_passes, debug_dir=parsed.debug_dir,
-                          records=record.analysis_passes)
+    with compiling(f"graph {record.graph_id}", "analysis passes"):
+        analysed = run_passes(aten_gm, ctx, ANALYSIS_PASSES, graph_id=record.graph_id,
+                              disabled=parsed.disable_passes, debug_dir=parsed.debug_dir,
+                              records=record.analysis_passes)
     sequence = analysis.sequence
     record.attention_sites = [site.describe() for site in analysis.attention_sites]
     record.sequence_length = str(sequence.length) if sequence is not None and sequence.length is not None else None
@@ -92,9 +95,10 @@ def analysed_dispatcher(aten_gm: fx.GraphModule, fake_inputs: list[Any], fake_mo
     record.trace_seconds = time.perf_counter() - start
     report_compiled(AnalysedGraph(record.graph_id, len(record.attention_sites), record.trace_seconds))
     dispatcher = Dispatcher(parsed, record, analysed, analysis, fake_inputs, fake_mode, VARIANT_PASSES)
-    if not parsed.buckets:
+    if not parsed.buckets and active_variant() is None:
         # Static mode has exactly one variant: build it now, inside dynamo's compile, so that
-        # any guard the inner compiler adds is installed by dynamo.
+        # any guard the inner compiler adds is installed by dynamo. Under a dcp.use plan, variants
+        # compile on first use, like buckets' (the static variant only if a micro-batch runs it).
         dispatcher.compile_variant(dispatcher.static_variant, dispatcher.scalars_of(example_inputs))
     return dispatcher
 

@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
+from dcp_compile.compiler.progress import compile_stage, compiling
+from dcp_compile.compiler.inductor_patches import stride_sort_with_shape_env
 from dcp_compile.compiler.record import VariantRecord
 
 log = logging.getLogger(__name__)
@@ -146,10 +148,11 @@ def compile_aot_eager(gm: fx.GraphModule, example_inputs: list[Any], record: Var
         _record_backward(record, backward)
         return make_boxed_func(backward.forward)
 
-    return aot_module_simplified(
-        gm, example_inputs, fw_compiler=forward_compiler, bw_compiler=backward_compiler,
-        partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True,
-    )
+    with compile_stage("AOTAutograd trace and partition"):
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=forward_compiler, bw_compiler=backward_compiler,
+            partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True,
+        )
 
 
 # Inductor on torch <= 2.13 sorts symbolic strides without the shape environment and fails on a
@@ -177,12 +180,17 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list[Any], record: Vari
     def recording_inner(graph: fx.GraphModule, inputs: list[Any], **kwargs: Any):
         if kwargs.get("is_backward"):
             _record_backward(record, graph)
+            stage = "Inductor: backward"
         else:
             _record_forward(record, graph, user_outputs)
-        return compile_fx_inner(graph, inputs, **kwargs)
+            stage = "Inductor: forward"
+        # A backward compiled at the first backward call, after the variant's compile, beats alone.
+        with compiling(f"variant {record.variant}", stage), stride_sort_with_shape_env():  # pytorch#172204
+            return compile_fx_inner(graph, inputs, **kwargs)
 
     try:
-        return compile_fx(gm, example_inputs, inner_compile=recording_inner)
+        with compile_stage("AOTAutograd trace and partition"):
+            return compile_fx(gm, example_inputs, inner_compile=recording_inner)
     except Exception as error:
         if not _is_inductor_stride_sort_bug(error):
             raise

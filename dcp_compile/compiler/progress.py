@@ -1,12 +1,15 @@
 """What a user sees while variants compile: one line per graph analysed and per variant compiled,
-and a bar over a warm-up.
+a heartbeat while one takes long, and a bar over a warm-up.
 
 A first compile takes from seconds to minutes (one per SP size and recompute policy), and silence
 that long looks like a hang. Each compiled variant is logged at INFO on this module's logger (so
 ``TORCH_LOGS="+dcp_compile"`` and the user's own logging config show it, with compile ids), and,
 when no logging is set up to show INFO, also printed as one line on stderr, by rank 0 only (every
-rank compiles the same variants, so N copies would say nothing more). ``DCP_PROGRESS=0`` silences
-the print and the bar; the log record stays.
+rank compiles the same variants, so N copies would say nothing more). While one graph's analysis or
+one variant's compile runs longer than :data:`HEARTBEAT_SECONDS`, a timer thread adds a line every
+:data:`HEARTBEAT_SECONDS` with the time so far and the stage it is in (variant passes, AOTAutograd's
+trace, Inductor's forward or backward), the same way. ``DCP_PROGRESS=0`` silences the prints, the
+heartbeat and the bar; the log records stay.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +28,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _active_bar: Any = None  # the warm-up's tqdm bar while one is drawn: lines go above it, not through it
+HEARTBEAT_SECONDS = 10.0  # a compile silent this long gets a line, and another every as long again
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,19 @@ def shows_progress() -> bool:
     return os.environ.get("DCP_PROGRESS", "1") != "0" and _is_rank_zero()
 
 
-def report_compiled(event: CompiledVariant | AnalysedGraph) -> None:
+@dataclass(frozen=True)
+class StillCompiling:
+    """A heartbeat: what is compiling, for how long so far, and in which stage."""
+
+    what: str  # "graph 0 variant sp=2/recompute=none", "analysis of graph 0"
+    seconds: float
+    stage: str
+
+    def line(self) -> str:
+        return f"dcp: compiling {self.what}: {self.seconds:.0f}s so far ({self.stage})"
+
+
+def report_compiled(event: CompiledVariant | AnalysedGraph | StillCompiling) -> None:
     """Log the line at INFO; print it too when logging would not show it (the default)."""
     log.info("%s", event.line())
     if (log.isEnabledFor(logging.INFO) and log.hasHandlers()) or not shows_progress():
@@ -71,6 +89,62 @@ def report_compiled(event: CompiledVariant | AnalysedGraph) -> None:
         _active_bar.write(event.line(), file=sys.stderr)
     else:
         print(event.line(), file=sys.stderr, flush=True)
+
+
+class _Heartbeat:
+    """A daemon thread that reports a compile still running every ``HEARTBEAT_SECONDS``."""
+
+    def __init__(self, what: str, stage: str) -> None:
+        self.what, self.stage = what, stage
+        self.start = time.perf_counter()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="dcp-compile-heartbeat", daemon=True)
+
+    def _beat(self) -> None:
+        interval = HEARTBEAT_SECONDS
+        while not self.done.wait(interval):
+            report_compiled(StillCompiling(self.what, time.perf_counter() - self.start, self.stage))
+
+
+_heartbeat: _Heartbeat | None = None  # the compile under way (compiles run one at a time, on one thread)
+
+
+@contextmanager
+def compiling(what: str, stage: str) -> Iterator[None]:
+    """Beat while the body runs, if it outlasts ``HEARTBEAT_SECONDS``; nested, only names the stage.
+
+    A backward that AOTAutograd compiles later, at the first backward call, opens its own.
+    """
+    global _heartbeat
+    if _heartbeat is not None:
+        with compile_stage(stage):
+            yield
+        return
+    if not shows_progress():
+        yield
+        return
+    beat = _heartbeat = _Heartbeat(what, stage)
+    beat.thread.start()
+    try:
+        yield
+    finally:
+        beat.done.set()
+        _heartbeat = None
+        beat.thread.join(timeout=1.0)  # no beat after the body's own closing line
+
+
+@contextmanager
+def compile_stage(stage: str) -> Iterator[None]:
+    """Name the stage the current compile is in (for its heartbeat), for the duration of the body."""
+    beat = _heartbeat
+    if beat is None:
+        yield
+        return
+    previous, beat.stage = beat.stage, stage
+    try:
+        yield
+    finally:
+        beat.stage = previous
 
 
 @contextmanager
