@@ -22,7 +22,7 @@ from dcp_compile.compiler.options import DCPOptions
 from dcp_compile.compiler.inner_compilers import INNER_COMPILERS, floats_already_specialized
 from dcp_compile.compiler.inspection import collecting_records, snapshots_requested
 from dcp_compile.compiler.key_value_outputs import find_returned_key_values, warn_once_if_key_values_returned
-from dcp_compile.compiler.progress import CompiledVariant, report_compiled
+from dcp_compile.compiler.progress import CompiledVariant, compile_stage, compiling, report_compiled
 from dcp_compile.compiler.passes.context import Analysis, PassContext
 from dcp_compile.compiler.passes.pipeline import GraphInput, GraphPass, run_passes
 from dcp_compile.runtime.consistency import check_sp_group_agrees
@@ -138,6 +138,16 @@ class Dispatcher:
 
     def compile_variant(self, variant: Variant, scalars: tuple[float, ...] = ()) -> Callable:
         start = time.perf_counter()
+        with compiling(f"graph {self.record.graph_id} variant {variant}", "variant passes"):
+            compiled = self._compile_variant(variant, scalars)
+        variant_record = self.record.variants[variant]
+        variant_record.compile_seconds = time.perf_counter() - start
+        inner_name = "aot_eager, inductor failed" if variant_record.inner_fallback else self.options.inner
+        report_compiled(CompiledVariant(self.record.graph_id, str(variant), variant_record.compile_seconds,
+                                        inner_name))
+        return compiled
+
+    def _compile_variant(self, variant: Variant, scalars: tuple[float, ...]) -> Callable:
         if (variant, scalars) != (variant, ()) and any(key[0] == variant for key in self.compiled):
             log.warning("dcp: graph %d variant %s recompiles for new values of its float inputs %s "
                         "(a float attribute of the model changed)", self.record.graph_id, variant, scalars)
@@ -174,13 +184,9 @@ class Dispatcher:
         variant_record.graph = gm
         variant_record.collectives = count_collectives(gm)
         inner = INNER_COMPILERS[self.options.inner]
-        with floats_already_specialized(self.fake_mode):
+        with floats_already_specialized(self.fake_mode), compile_stage(f"{self.options.inner}"):
             compiled = inner(gm, ctx.fake_inputs, variant_record)
         self.compiled[(variant, scalars)] = compiled
-        variant_record.compile_seconds = time.perf_counter() - start
-        inner_name = "aot_eager, inductor failed" if variant_record.inner_fallback else self.options.inner
-        report_compiled(CompiledVariant(self.record.graph_id, str(variant), variant_record.compile_seconds,
-                                        inner_name))
         return compiled
 
 
