@@ -26,7 +26,7 @@ from dcp_compile.compiler.progress import CompiledVariant, compile_stage, compil
 from dcp_compile.compiler.passes.context import Analysis, PassContext
 from dcp_compile.compiler.passes.pipeline import GraphInput, GraphPass, run_passes
 from dcp_compile.runtime.consistency import check_sp_group_agrees
-from dcp_compile.runtime.graph_parameters import note_graph_call
+from dcp_compile.runtime.graph_parameters import note_graph_call, note_graph_outputs
 from dcp_compile.runtime.process_groups import sp_group
 from dcp_compile.compiler.record import GraphRecord, VariantRecord
 from dcp_compile.compiler.self_check import check_first_call
@@ -127,7 +127,7 @@ class Dispatcher:
             self.checked.add((variant, scalars))
             group = sp_group(variant.sp_size).process_group if variant.sp_size > 1 else None
             check_first_call(self.analysed, variant, args, run, self.analysis.parameter_indices, group)
-        return run()
+        return note_graph_outputs(run(), variant.sp_size)  # which backward runs it (eager parameters)
 
     def check_ranks(self, variant: Variant, args: tuple) -> None:
         """The SP group agrees on the variant and the inputs before any collective (raises on all)."""
