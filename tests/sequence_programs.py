@@ -13,6 +13,8 @@ eager in the same process: outputs, SP-group-summed gradients, and the sharding 
 
 from __future__ import annotations
 
+import json
+import os
 import traceback
 from typing import Any, Callable
 
@@ -325,16 +327,24 @@ def fuzz_worker(rank: int, world_size: int, cases: list[tuple[tuple[str, ...], t
     recorded, not required (a program the compiler cannot shard must gather, never be wrong)."""
     torch.manual_seed(0)
     failures, gathers, not_sharded, checked = [], 0, 0, 0
+    log_path = os.environ.get("DCP_FUZZ_LOG") if rank == 0 else None
     for program, lengths in cases:
         problems, seen = check_program(tuple(program), list(lengths), FUZZ_RTOL, FUZZ_ATOL, shard_required=False,
                                        scaled_atol=True)
         checked += len(lengths)
         gathers += len(seen["gathers"])
         not_sharded += len(seen["not_sharded"])
+        failure = None
         if problems:
             length = next((n for n in lengths if any(f"@{n}:" in p for p in problems)), lengths[0])
-            failures.append({"program": tuple(program), "length": length, "problems": problems[:3],
-                             "shrunk": shrink(tuple(program), length)})
+            failure = {"program": tuple(program), "length": length, "problems": problems[:3],
+                       "shrunk": shrink(tuple(program), length)}
+            failures.append(failure)
+        if log_path:  # one line per program as it finishes: a long run that is stopped still counts
+            with open(log_path, "a") as log:
+                log.write(json.dumps({"world_size": world_size, "program": list(program), "lengths": list(lengths),
+                                      "gathers": len(seen["gathers"]), "not_sharded": len(seen["not_sharded"]),
+                                      "failure": failure}) + "\n")
     return {"failures": failures, "checked": checked, "gathers": gathers, "not_sharded": not_sharded}
 
 

@@ -79,4 +79,5 @@ def test_quick_fuzz_tier():
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_slow_fuzz_tier(world_size):
     count = int(os.environ.get("DCP_FUZZ_PROGRAMS", "400"))
-    run_fuzz(programs(count, fuzz_seed=7 + world_size), world_size, timeout=20 * count)
+    fuzz_seed = int(os.environ.get("DCP_FUZZ_SEED", "0")) + 7 + world_size
+    run_fuzz(programs(count, fuzz_seed=fuzz_seed), world_size, timeout=60 * count)
