@@ -1,6 +1,6 @@
-"""Attention as model libraries write it by hand: ``einsum`` products with any index names, an
-additive relative-position or ALiBi bias, causal or bidirectional, and a q/k normalisation by
-``torch.linalg.vector_norm`` over the head dimension."""
+"""Attention as model libraries write it by hand: ``einsum`` products with any index names (an
+ellipsis for the batch indices too), an additive relative-position or ALiBi bias, causal or
+bidirectional, and a q/k normalisation by ``torch.linalg.vector_norm`` over the head dimension."""
 
 from __future__ import annotations
 
@@ -45,6 +45,11 @@ class EinsumAttention(nn.Module):
         if self.layout == "bhnd":
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             scores = torch.einsum("b h i d, b h j d -> b h i j", q, k)
+        elif self.layout == "ellipsis":  # batch and heads under an ellipsis
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            scores = torch.einsum("...id,...jd->...ij", q, k)
+        elif self.layout == "ellipsis_tokens_first":
+            scores = torch.einsum("...qhd,...khd->...hqk", q, k)
         else:  # the tokens-first layout, other index names
             scores = torch.einsum("bqhc,bkhc->bhqk", q, k)
         scores = scores / math.sqrt(HEAD_DIM)
@@ -56,6 +61,10 @@ class EinsumAttention(nn.Module):
         attn = scores.softmax(dim=-1)
         if self.layout == "bhnd":
             out = torch.einsum("b h i j, b h j d -> b h i d", attn, v).transpose(1, 2)
+        elif self.layout == "ellipsis":
+            out = torch.einsum("...ij,...jd->...id", attn, v).transpose(1, 2)
+        elif self.layout == "ellipsis_tokens_first":
+            out = torch.einsum("...hqk,...khd->...qhd", attn, v)
         else:
             out = torch.einsum("bhqk,bkhc->bqhc", attn, v)
         return x + self.out(out.reshape(b, n, WIDTH))
@@ -73,11 +82,12 @@ class EinsumModel(nn.Module):
 
 
 VARIANTS = {
-    "einsum_bidirectional": dict(causal=False, bias="none"),
+    "einsum_ellipsis_bidirectional": dict(causal=False, bias="none", layout="ellipsis"),
     "einsum_causal": dict(causal=True, bias="none"),
     "einsum_causal_alibi": dict(causal=True, bias="alibi"),
     "einsum_relative_bias": dict(causal=False, bias="relative"),
     "einsum_tokens_first_qk_norm": dict(causal=True, bias="none", qk_norm=True, layout="bnhd"),
+    "einsum_ellipsis_tokens_first_alibi": dict(causal=False, bias="alibi", layout="ellipsis_tokens_first"),
 }
 
 

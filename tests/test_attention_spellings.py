@@ -21,7 +21,13 @@ def test_einsum_equations_that_are_batched_matmuls():
     assert (scores.batch, scores.free_left, scores.free_right, scores.contracted) == (("b", "h"), "i", "j", "d")
     assert parse_batched_product("bqhc,bkhc->bhqk").batch == ("b", "h")
     assert parse_batched_product("bsd,de->bse") is None  # a projection: two free indices on the left
-    assert parse_batched_product("...id,...jd->...ij") is None  # ellipses are left alone
+    assert parse_batched_product("...id,...jd->...ij") is None  # an ellipsis needs the operands' ranks
+    spelled = parse_batched_product("...id,...jd->...ij", (4, 4))
+    assert (len(spelled.batch), spelled.free_left, spelled.free_right, spelled.contracted) == (2, "i", "j", "d")
+    values = parse_batched_product("...hqk,...khd->...qhd", (4, 4))
+    assert (len(values.batch), values.free_left, values.free_right, values.contracted) == (2, "q", "d", "k")
+    assert parse_batched_product("...id,jd->...ij", (4, 2)) is None  # a broadcast over missing dims
+    assert parse_batched_product("bhqd,bhkd->bhqk", (4, 4)).batch == ("b", "h")
 
 
 def test_einsum_attention_is_found_and_sharded_at_parity_with_no_gather():

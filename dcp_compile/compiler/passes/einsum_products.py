@@ -11,7 +11,8 @@ and one contracted index (the rest batch indices, present everywhere) is exactly
     matmul, then permute to the equation's output order.
 
 The permutes are omitted when they are the identity, so the scores product reads as
-``q @ k.transpose(-2, -1)`` and ``attn @ v`` reads as itself. Other equations are left alone.
+``q @ k.transpose(-2, -1)`` and ``attn @ v`` reads as itself. An ellipsis (``"...id,...jd->...ij"``)
+stands for batch indices, spelled out from the operands' ranks first. Other equations are left alone.
 """
 
 from __future__ import annotations
@@ -46,8 +47,36 @@ def _indices(term: str) -> tuple[str, ...] | None:
     return letters
 
 
-def parse_batched_product(equation: str) -> BatchedProduct | None:
-    """The batched matmul an einsum equation spells, or None (ellipses, repeated or lone indices)."""
+ELLIPSIS = "..."
+
+
+def expand_ellipses(equation: str, ranks: tuple[int, ...]) -> str | None:
+    """``equation`` with each ``...`` spelled as the batch letters it stands for, given the
+    operands' ranks (``"...id,...jd->...ij"`` at rank 4: ``"ABid,ABjd->ABij"``); None when the
+    operands' ellipses cover different numbers of dimensions (a broadcast over missing dims).
+    Indices are letters of either case, so the fresh ones are letters the equation does not use."""
+    equation = equation.replace(" ", "")
+    if ELLIPSIS not in equation:
+        return equation
+    if "->" not in equation:
+        return None
+    inputs, output = equation.split("->")
+    terms = inputs.split(",")
+    if len(terms) != len(ranks):
+        return None
+    covered = {rank - len(term.replace(ELLIPSIS, "")) for term, rank in zip(terms, ranks) if ELLIPSIS in term}
+    if len(covered) != 1 or min(covered) < 0 or any(term.count(ELLIPSIS) > 1 for term in terms + [output]):
+        return None
+    fresh = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in equation][:covered.pop()]
+    spelled = "".join(fresh)
+    return ",".join(term.replace(ELLIPSIS, spelled) for term in terms) + "->" + output.replace(ELLIPSIS, spelled)
+
+
+def parse_batched_product(equation: str, ranks: tuple[int, ...] | None = None) -> BatchedProduct | None:
+    """The batched matmul an einsum equation spells, or None (repeated or lone indices, ellipses
+    without the operands' ``ranks`` to expand them)."""
+    if ranks is not None:
+        equation = expand_ellipses(equation, ranks) or ""
     if "->" not in equation or "." in equation:
         return None
     inputs, output_term = equation.split("->")
@@ -81,8 +110,13 @@ def respell_einsum_products(gm: fx.GraphModule) -> int:
     graph = gm.graph
     for node in list(graph.find_nodes(op="call_function", target=aten.einsum.default)):
         equation, operands = node.args[0], node.args[1]
-        product = parse_batched_product(equation) if isinstance(equation, str) else None
-        if product is None or len(operands) != 2 or not all(isinstance(o, fx.Node) for o in operands):
+        if not isinstance(equation, str) or len(operands) != 2 or not all(isinstance(o, fx.Node) for o in operands):
+            continue
+        values = [o.meta.get("val") for o in operands]
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            continue
+        product = parse_batched_product(equation, tuple(v.dim() for v in values))
+        if product is None:
             continue
         left, right = operands
         b = product.batch
