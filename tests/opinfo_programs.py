@@ -185,7 +185,7 @@ def select_cases(names: list[str] | None = None, per_op: int = 1,
             skips.append(Skip(name, "no float32 on CPU"))
             continue
         found: list[OpCase] = []
-        why = "no sample has a float tensor whose dimension can carry the sequence (the op rejects any other size there)"
+        why = "no float32 tensor argument of one dimension or more in any sample (a factory or scalar op)"
         torch.manual_seed(0)
         try:
             samples = [s for _, s in zip(range(SAMPLES_SEEN), op.sample_inputs("cpu", torch.float32, requires_grad=False))]
@@ -213,6 +213,8 @@ def select_cases(names: list[str] | None = None, per_op: int = 1,
                     break
             except Exception:
                 continue
+            why = ("no dimension of the sample's float tensor can take another size (the op rejects it, "
+                   "or returns no tensor)")
             primary = leaves[floats[0]]
             same_shape = tuple(i for i in floats if leaves[i].shape == primary.shape)
             try:

@@ -13,6 +13,7 @@ database in shards and writes ``benchmarks/results/opinfo_sweep.md`` (``DCP_OPIN
 from __future__ import annotations
 
 import collections
+import json
 import os
 import time
 
@@ -23,15 +24,20 @@ from dcp_compile.testing.process_world import run_in_process_world
 
 from opinfo_programs import select_cases, sweep_worker  # torch's OpInfo database needs expecttest (test extra)
 
-QUICK_OPS = ["add", "mul", "sin", "sigmoid", "where", "clamp", "sum", "mean", "amax", "cumsum", "softmax",
-             "nn.functional.layer_norm", "matmul", "cat", "stack", "roll", "flip", "sort", "index_select",
-             "nn.functional.pad", "transpose", "reshape", "nn.functional.conv1d", "diff", "tril"]
+# The quick tier: ops of every kind (elementwise, broadcast, reductions, scans, matmul, joins,
+# shifts, sorts, norms), one graph on one 2-rank world.
+QUICK_OPS = ["add", "sin", "where", "sum", "amax", "cumsum", "softmax", "matmul", "cat", "roll", "sort",
+             "nn.functional.layer_norm"]
 SHARDS = 6
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "opinfo_sweep.md")
 
 
 def sweep(names: list[str] | None, per_op: int, batch: int, shard: tuple[int, int] | None = None) -> tuple[list, list]:
     cases, skips = select_cases(names, per_op=per_op, shard=shard)
+    if os.environ.get("DCP_OPINFO_LOG"):
+        with open(os.environ["DCP_OPINFO_LOG"], "a") as log:
+            log.writelines(json.dumps({"name": s.name, "label": s.name, "kind": "skipped", "detail": s.why}) + "\n"
+                           for s in skips)
     outcomes = run_in_process_world(sweep_worker, 2, cases, batch, timeout=60 * 60)[0] if cases else []
     return outcomes, skips
 
@@ -45,7 +51,7 @@ def test_quick_opinfo_sweep():
     assert not wrong(outcomes), "silently wrong at SP 2:\n" + "\n".join(wrong(outcomes))
     kinds = collections.Counter(o["kind"] for o in outcomes)
     assert len(outcomes) + len(skips) >= len(QUICK_OPS), (outcomes, skips)
-    assert kinds["sharded"] >= 5 and kinds["gathered"] >= 3, kinds  # both paths were exercised
+    assert kinds["sharded"] >= 4 and kinds["gathered"] >= 4, kinds  # both paths were exercised
     assert all(o["detail"] for o in outcomes if o["kind"] == "gathered")  # every gather has its reason
 
 
@@ -53,7 +59,8 @@ def test_quick_opinfo_sweep():
 @pytest.mark.parametrize("shard", range(SHARDS))
 def test_opinfo_sweep(shard):
     started = time.monotonic()
-    outcomes, skips = sweep(None, per_op=2, batch=24, shard=(shard, SHARDS))
+    per_op = int(os.environ.get("DCP_OPINFO_CASES_PER_OP", "2"))  # dimensions tried per op
+    outcomes, skips = sweep(None, per_op=per_op, batch=24, shard=(shard, SHARDS))
     if os.environ.get("DCP_OPINFO_WRITE"):
         write_shard(shard, outcomes, skips, time.monotonic() - started)
     assert not wrong(outcomes), "silently wrong at SP 2:\n" + "\n".join(wrong(outcomes))
@@ -61,9 +68,50 @@ def test_opinfo_sweep(shard):
 
 def write_shard(shard: int, outcomes: list[dict], skips: list, seconds: float) -> None:
     """Each shard writes its rows beside the table; ``python tests/test_opinfo_sweep.py`` joins them."""
-    import json
-
     path = f"{RESULTS}.shard{shard}.json"
     with open(path, "w") as handle:
         json.dump({"outcomes": outcomes, "skips": [s.__dict__ for s in skips], "seconds": seconds,
                    "torch": torch.__version__}, handle, indent=1)
+
+
+def write_table(rows: list[dict], path: str, note: str) -> None:
+    """The classification table: one row per op case (or skipped op), the WRONG ones first."""
+    kinds = collections.Counter(row["kind"] for row in rows)
+    order = {"WRONG": 0, "raises": 1, "replicated": 2, "gathered": 3, "sharded": 4, "skipped": 5}
+    lines = ["# OpInfo sweep at SP 2", "",
+             f"Measured on CPU, torch {torch.__version__}, 2 gloo ranks, `tests/test_opinfo_sweep.py` "
+             "(`python -m pytest -m slow tests/test_opinfo_sweep.py` with `DCP_OPINFO_WRITE=1`, then "
+             "`python tests/test_opinfo_sweep.py` joins the shards). " + note, "",
+             "Every op of torch's OpInfo database (`op_db`): its float32 sample, one dimension of its first float "
+             "tensor (and of every float argument of the same shape) carried as the sequence of an attention "
+             "(the sample tiled to the run's length plus a per-token projection of the attention's output), "
+             "compiled with `backend=\"dcp\"` and compared with eager at lengths 13 and 22: outputs and the "
+             "SP-summed gradients of the projections (which run through the op's backward).", "",
+             "- **sharded**: at parity, the op ran on the rank's chunk (no gather in it)",
+             "- **gathered**: at parity, the sequence was gathered before the op; the reason is the record's",
+             "- **replicated**: at parity, the whole variant fell back to running unsharded (the reason)",
+             "- **raises**: dcp raised (loud, not wrong); **WRONG**: silently wrong (confirmed with the op alone)",
+             "- **skipped**: not run through dcp, and why", "",
+             "| result | count |", "| --- | --- |"]
+    lines += [f"| {kind} | {kinds[kind]} |" for kind in sorted(kinds, key=lambda k: order.get(k, 9))]
+    lines += ["", "| op (carried dimension of the sample's shape) | result | reason |", "| --- | --- | --- |"]
+    for row in sorted(rows, key=lambda r: (order.get(r["kind"], 9), r["label"])):
+        detail = row.get("detail", "").replace("|", "\\|").replace("\n", " ")[:240]
+        lines.append(f"| `{row['label']}` | {row['kind']} | {detail} |")
+    with open(path, "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    import glob
+    import sys
+
+    rows, seconds = [], 0.0
+    for shard_path in sorted(glob.glob(f"{RESULTS}.shard*.json")):
+        with open(shard_path) as handle:
+            shard = json.load(handle)
+        rows += shard["outcomes"] + [{"name": s["name"], "label": s["name"], "kind": "skipped", "detail": s["why"]}
+                                     for s in shard["skips"]]
+        seconds += shard["seconds"]
+    write_table(rows, RESULTS, " ".join(sys.argv[1:]) or f"{seconds / 60:.0f} min on the shared 2-core machine.")
+    print(collections.Counter(row["kind"] for row in rows))

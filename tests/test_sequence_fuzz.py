@@ -81,3 +81,41 @@ def test_slow_fuzz_tier(world_size):
     count = int(os.environ.get("DCP_FUZZ_PROGRAMS", "400"))
     fuzz_seed = int(os.environ.get("DCP_FUZZ_SEED", "0")) + 7 + world_size
     run_fuzz(programs(count, fuzz_seed=fuzz_seed), world_size, timeout=60 * count)
+
+
+def write_results(log_paths: list[str], path: str, note: str) -> dict:
+    """The slow tier's counts from its ``DCP_FUZZ_LOG`` files (a line per program checked)."""
+    import collections
+    import json
+
+    import torch
+
+    rows = [json.loads(line) for log_path in log_paths for line in open(log_path) if line.strip()]
+    lines = ["# Sequence fuzzer, slow tier", "",
+             f"Measured on CPU, torch {torch.__version__}, gloo ranks, `tests/test_sequence_fuzz.py::test_slow_fuzz_tier` "
+             "with `DCP_FUZZ_LOG` (a line per program as it finishes; a run stopped early still counts what it "
+             "checked). " + note, "",
+             "| SP | programs | (program, length) checks | silently wrong | gathers (each with a reason) | "
+             "variants not fully sharded (recorded, parity still required) |", "| --- | --- | --- | --- | --- | --- |"]
+    totals = {}
+    for world_size in sorted({row["world_size"] for row in rows}):
+        mine = [row for row in rows if row["world_size"] == world_size]
+        failures = [row for row in mine if row["failure"]]
+        totals[world_size] = (len(mine), len(failures))
+        lines.append(f"| {world_size} | {len(mine)} | {sum(len(r['lengths']) for r in mine)} | {len(failures)} | "
+                     f"{sum(r['gathers'] for r in mine)} | {sum(r['not_sharded'] for r in mine)} |")
+    failures = [row["failure"] for row in rows if row["failure"]]
+    lines += ["", "Failures (shrunk):" if failures else "No program was silently wrong."]
+    lines += [f"- `{f['shrunk']}` at length {f['length']} (drawn as `{f['program']}`): {f['problems'][0][:200]}"
+              for f in failures]
+    ops = collections.Counter(op for row in rows for op in row["program"])
+    lines += ["", "Ops drawn (times): " + ", ".join(f"{op} {count}" for op, count in sorted(ops.items()))]
+    with open(path, "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    return totals
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(write_results(sys.argv[2:], sys.argv[1], os.environ.get("DCP_FUZZ_NOTE", "")))
