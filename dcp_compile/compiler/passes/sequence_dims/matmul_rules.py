@@ -9,9 +9,9 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 
-from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Rewrite, Role, SequenceAnalysis
-from dcp_compile.compiler.passes.sequence_dims.registry import mixing, op_name, rule, single
-from dcp_compile.compiler.passes.sequence_dims.symbolic import value_of
+from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Rewrite, Role, SequenceAnalysis, SequenceDim
+from dcp_compile.compiler.passes.sequence_dims.registry import broadcast_partners, mixing, op_name, rule, single
+from dcp_compile.compiler.passes.sequence_dims.symbolic import equal, shape_of, value_of
 
 aten = torch.ops.aten
 
@@ -61,7 +61,27 @@ def matmul_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     if first_seq is None and not analysis.dims_of(first) and second_seq is not None and second_seq.dim == second_rank - 1:
         # ``kv @ q^T`` with the tokens as columns: each output column is one token's.
         return NodeRole(Role.TOKEN_LOCAL, (second_seq.moved(out_rank - 1),), (second,))
-    return leading_dims_rule(node, analysis, first, 1, (second,))
+    result = leading_dims_rule(node, analysis, first, 1, (second,))
+    if result.role is Role.TOKEN_LOCAL and first_seq is not None and first_seq.dim < first_rank - 2 and second_rank > 2:
+        return batched_over_tokens(node, analysis, result, second, first_seq.moved(first_seq.dim + out_rank - first_rank))
+    return result
+
+
+def batched_over_tokens(node: fx.Node, analysis: SequenceAnalysis, result: NodeRole, second: fx.Node,
+                        seq: SequenceDim) -> NodeRole:
+    """``bmm(rows, weights)`` with the tokens in the batch dimensions of ``rows`` pairs each token
+    with a batch entry of ``weights`` (``w[expert_ids]`` of an MoE's flattened tokens): where that
+    entry spans the tokens (a size other than 1) ``weights`` is cut to the same chunk, as an
+    elementwise op's broadcast partner is; a value that spans them but runs on the full sequence
+    for a reason of its own cannot be paired with the chunk, and the product gathers."""
+    out_rank = value_of(node).dim()
+    partners = broadcast_partners(node, analysis, seq, out_rank)
+    position = seq.dim - (out_rank - value_of(second).dim())
+    spans = position >= 0 and not equal(shape_of(value_of(second))[position], 1)
+    if spans and not any(partner is second for partner, _ in partners):
+        return mixing("a batched matmul whose other operand spans the tokens without being indexed by them")
+    return NodeRole(Role.TOKEN_LOCAL, result.sequence_dims, result.aligned_inputs + tuple(p for p, _ in partners),
+                    partners=partners)
 
 
 @rule(aten.addmm.default)

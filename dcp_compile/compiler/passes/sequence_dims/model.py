@@ -170,6 +170,17 @@ class GridRegionRefused(Exception):
         self.entry, self.reason = entry, reason
 
 
+class DispatchRefused(Exception):
+    """Raised while the analysis runs, when counts of a local token sort (an MoE's per-expert
+    group sizes) are read per token, beyond the dispatch (a capacity limit): which tokens drop then
+    depends on every rank's tokens. The driver starts over with that sort run on the gathered
+    tokens."""
+
+    def __init__(self, sort: fx.Node, reason: str) -> None:
+        super().__init__(reason)
+        self.sort, self.reason = sort, reason
+
+
 @dataclass
 class SequenceAnalysis:
     length: Any  # sympy expression of the attention length, or None when there is no attention
@@ -191,6 +202,9 @@ class SequenceAnalysis:
     # Members of buffers written in place whose writes no rule proved chunk-aligned, with why
     # (see inplace_writes): they run on the full sequence.
     written_aliases: dict[fx.Node, str] = field(default_factory=dict)
+    # Token sorts that run on the gathered tokens instead of the rank's own, with why (see
+    # DispatchRefused): the dispatch downstream of them is whole on every rank.
+    refused_dispatches: dict[fx.Node, str] = field(default_factory=dict)
 
     def dims_of(self, node: Any, index: int | None = None) -> tuple[SequenceDim, ...]:
         role = self.roles.get(node) if isinstance(node, fx.Node) else None

@@ -24,7 +24,7 @@ import torch.fx as fx
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import AttentionSite
 from dcp_compile.compiler.passes.sequence_dims.model import (
-    INHERIT, GridRegionRefused, NodeRole, Role, SequenceAnalysis, TokenOrder,
+    INHERIT, DispatchRefused, GridRegionRefused, NodeRole, Role, SequenceAnalysis, TokenOrder,
 )
 from dcp_compile.compiler.passes.sequence_dims.registry import classify, mixing, record_partners
 from dcp_compile.compiler.passes.sequence_dims.symbolic import (
@@ -111,6 +111,7 @@ def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite],
     graph = fx_to_networkx(gm.graph)
     refused: dict[fx.Node, str] = {}
     written: dict[fx.Node, str] = {}
+    dispatches: dict[fx.Node, str] = {}
     while True:
         # A grid region found to read a sequence-indexed value from outside only once the
         # propagation reaches that member is refused, and the analysis starts over without it.
@@ -118,10 +119,15 @@ def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite],
         # members are forced onto the full sequence (see inplace_writes) and the analysis reruns.
         try:
             analysis = propagate(sites, SequenceAnalysis(length=length, graph=graph, parameters=parameters,
-                                                         refused_grids=dict(refused), written_aliases=dict(written)))
+                                                         refused_grids=dict(refused), written_aliases=dict(written),
+                                                         refused_dispatches=dict(dispatches)))
         except GridRegionRefused as refusal:
             refused[refusal.entry] = refusal.reason
             log.info("dcp: %s gathers: no grid window: %s", refusal.entry.name, refusal.reason)
+            continue
+        except DispatchRefused as refusal:
+            dispatches[refusal.sort] = refusal.reason
+            log.info("dcp: %s sorts the gathered tokens: %s", refusal.sort.name, refusal.reason)
             continue
         forced = unproven_writes(analysis, gm.graph) if analysis.length is not None else {}
         if not forced:
@@ -150,6 +156,7 @@ def propagate_node(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     """Classify one node whose inputs have their roles, and record its role (and the broadcast
     partners its rule found)."""
     result = classify(node, analysis)
+    refuse_counts_read_per_token(node, result, analysis)
     record_partners(result, analysis)
     order = token_order(result, analysis)
     if order is INHERIT:
@@ -159,6 +166,44 @@ def propagate_node(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
                     result.element_dims, order)
     analysis.roles[node] = role
     return role
+
+
+CAPACITY_REASON = ("counts of a local token sort are read per token (a capacity limit, a place in an expert's "
+                   "group): which tokens drop depends on the whole sequence, so the dispatch runs on the "
+                   "gathered tokens")
+
+
+def refuse_counts_read_per_token(node: fx.Node, result: NodeRole, analysis: SequenceAnalysis) -> None:
+    """Token-set values (per-expert counts of the rank's own rows) are exact only as group sizes of
+    those rows (a grouped matmul's offsets, which its rule aligns). Read any other way next to the
+    tokens (``starts[expert_of_row]``, compared with a capacity) they would stand in for the whole
+    sequence's counts: the sort they come from is refused (``DispatchRefused``)."""
+    if result.role is Role.TOKEN_SET or node.op != "call_function":
+        return
+    for source in node.all_input_nodes:
+        role = analysis.roles.get(source)
+        if role is None or role.role is not Role.TOKEN_SET or source in result.aligned_inputs:
+            continue
+        sort = sort_behind(source, analysis)
+        if sort is not None and sort not in analysis.refused_dispatches:
+            raise DispatchRefused(sort, CAPACITY_REASON)
+
+
+def sort_behind(node: fx.Node, analysis: SequenceAnalysis) -> fx.Node | None:
+    """The local sort a token-set value was counted from."""
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        role = analysis.roles.get(current)
+        if role is None:
+            continue
+        if isinstance(role.token_order, fx.Node):
+            return role.token_order
+        stack.extend(role.aligned_inputs)
+    return None
 
 
 def token_order(result: NodeRole, analysis: SequenceAnalysis) -> TokenOrder:

@@ -48,7 +48,10 @@ def reduction_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     dims = []
     for seq in analysis.dims_of(source):
         if seq.dim in reduced:
-            rewrite = Rewrite.SUM_OVER_SEQUENCE if node.target in (aten.sum.dim_IntList, aten.mean.dim) and seq.plain else None
+            # Plain or flattened with the batch (``[B*S, E]`` router probabilities of an MoE): the
+            # rank's rows summed, then all-reduced; a joint dimension's replicated segments are not.
+            rewrite = (Rewrite.SUM_OVER_SEQUENCE if node.target in (aten.sum.dim_IntList, aten.mean.dim)
+                       and not seq.joint else None)
             return mixing(f"{op_name(node)} over the sequence dimension", rewrite=rewrite,
                           aligned=(source,) if rewrite else ())
         shift = 0 if keepdim else sum(1 for d in reduced if d < seq.dim)
@@ -66,7 +69,7 @@ def full_reduction_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
         return reduction_rule(node, analysis)
     source = node.args[0]
     seq = single(analysis.dims_of(source))
-    rewrite = Rewrite.SUM_OVER_SEQUENCE if seq is not None and seq.plain else None
+    rewrite = Rewrite.SUM_OVER_SEQUENCE if seq is not None and not seq.joint else None
     return mixing(f"{op_name(node)} over every dimension", rewrite=rewrite,
                   aligned=(source,) if rewrite else ())
 

@@ -320,4 +320,21 @@ def _settle(node: fx.Node, analysis: SequenceAnalysis, result: NodeRole, has_seq
         created = sized_source(node, analysis)
         if created.role is Role.SOURCE:
             result.sequence_dims = created.sequence_dims
+        else:
+            result.sequence_dims = flattened_tokens_kept(node, analysis)
     return result
+
+
+def flattened_tokens_kept(node: fx.Node, analysis: SequenceAnalysis) -> tuple[SequenceDim, ...]:
+    """The one flattened token dimension (``[B*S, E]``) a gathered op's output keeps from its
+    inputs: a ``cumsum`` over the flattened tokens of an MoE router is indexed by them as its input
+    is, and its token-local consumers must take their chunk of it, as they would of a dimension of
+    the sequence's own size (see :func:`sized_source`)."""
+    value = value_of(node)
+    if not isinstance(value, torch.Tensor):
+        return ()
+    flattened = {seq for source in sequence_inputs(node, analysis) for seq in analysis.dims_of(source)
+                 if not seq.unflattened}
+    sizes = {seq: analysis.length * seq.outer * seq.inner for seq in flattened}
+    found = [seq.moved(d) for d, size in enumerate(shape_of(value)) for seq in flattened if equal(size, sizes[seq])]
+    return (found[0],) if len(found) == 1 else ()

@@ -48,6 +48,8 @@ def sort_token_set(node: fx.Node, analysis: SequenceAnalysis, source: fx.Node, d
     seq = token_dim(source, analysis)
     if seq is None or dim != 0 or value_of(source).dim() != 1 or analysis.roles[source].token_order is not None:
         return None
+    if node in analysis.refused_dispatches:
+        return mixing(analysis.refused_dispatches[node])
     positions = TokenPositions(node, seq.inner)
     out = value_of(node)
     if isinstance(out, (tuple, list)):
@@ -81,13 +83,31 @@ def index_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     put them back in token order with the inverse permutation."""
     source, indices = node.args[:2]
     index = indices[0] if len(indices) == 1 and isinstance(indices[0], fx.Node) else None
+    return rows_at(node, analysis, source, index)
+
+
+@rule(aten.index_select.default)
+def index_select_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+    """``rows.index_select(0, positions)`` is ``rows[positions]``; along another dimension, a
+    selection of features by an index that is not sequence-indexed keeps the tokens apart."""
+    source, dim, index = node.args[:3]
+    if normalize(dim, value_of(source).dim()) == 0:
+        return rows_at(node, analysis, source, index)
+    dims = analysis.dims_of(source)
+    if analysis.dims_of(index) or any(seq.dim == normalize(dim, value_of(source).dim()) for seq in dims):
+        return mixing("index_select along the sequence dimension (or by a sequence-indexed index)")
+    return NodeRole(Role.TOKEN_LOCAL, dims, (source,)) if dims else NodeRole(Role.NONE)
+
+
+def rows_at(node: fx.Node, analysis: SequenceAnalysis, source: fx.Node, index: fx.Node | None) -> NodeRole:
+    """The rows of ``source`` at ``index`` (dimension 0)."""
     positions = analysis.positions.get(index) if index is not None else None
     source_seq = token_dim(source, analysis)
     if positions is None or source_seq is None:
         if index is not None and not analysis.dims_of(source):
             # ``table[token_ids]``: rows of a replicated table picked per token, an embedding lookup.
             return NodeRole(Role.TOKEN_LOCAL, analysis.dims_of(index), (index,) if analysis.dims_of(index) else ())
-        return mixing("no sharding rule for index.Tensor")
+        return mixing(f"no sharding rule for {op_name(node)}")
     index_seq = token_dim(index, analysis)
     if index_seq is None or not equal(source_seq.inner, positions.inner) or not equal(source_seq.outer, index_seq.outer):
         return mixing("indexes token rows in another frame than its positions address")
@@ -119,6 +139,41 @@ def inverse_permutation_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeR
     analysis.positions[node] = TokenPositions(positions.sort, positions.inner, inverse=True)
     return NodeRole(Role.MIXING, (index_seq,), (index,), "the inverse of a local token permutation",
                     rewrite=Rewrite.INVERSE_PERMUTATION, token_order=positions.sort)
+
+
+@rule(aten.index_add_.default, aten.index_add.default)
+def rows_added_back_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+    """``out.index_add_(0, token_of_row, rows)``: rows in a local sort's order added back to the
+    tokens they came from (an MoE's combine, summing a token's top-k rows), with positions of that
+    same sort. Each rank adds its own rows to its own tokens. ``out`` is in token order, or a fresh
+    value of the token frame's size that is not sequence-indexed yet (``tokens.new_zeros(...)``):
+    it is cut to the rank's tokens like a broadcast partner."""
+    destination, dim, index, rows = node.args[:4]
+    positions = analysis.positions.get(index)
+    if positions is None or positions.inverse or normalize(dim, value_of(destination).dim()) != 0:
+        if any(analysis.dims_of(n) for n in (destination, index, rows) if isinstance(n, fx.Node)):
+            return mixing("index_add of sequence-indexed rows with no sharding rule")
+        return NodeRole(Role.NONE)
+    index_seq, rows_seq = token_dim(index, analysis), token_dim(rows, analysis)
+    if (index_seq is None or rows_seq != index_seq or analysis.roles[rows].token_order is not positions.sort
+            or analysis.roles[index].token_order is not positions.sort):
+        return mixing("index_add of rows in another order than its positions'")
+    frame = SequenceDim(0, outer=index_seq.outer, inner=positions.inner)
+    partners: tuple[tuple[fx.Node, SequenceDim], ...] = ()
+    destination_seq = token_dim(destination, analysis)
+    if destination_seq is None and not analysis.dims_of(destination):
+        role = analysis.roles.get(destination)
+        size = shape_of(value_of(destination))[0]
+        if (role is not None and role.role not in (Role.NONE, Role.SOURCE)) or analysis.length is None or not equal(
+                size, analysis.length * frame.outer * frame.inner):
+            return mixing("index_add of token rows into a value that is not indexed by the tokens")
+        partners, destination_seq = ((destination, frame),), frame
+    if (destination_seq is None or analysis.roles[destination].token_order is not None
+            or not equal(destination_seq.inner, frame.inner) or not equal(destination_seq.outer, frame.outer)):
+        return mixing("index_add of token rows into another frame than its positions address")
+    return NodeRole(Role.TOKEN_LOCAL, (frame,), (destination, index, rows),
+                    "adds rows of this rank's tokens back to them (a local permutation's combine)",
+                    token_order=None, partners=partners)
 
 
 @rule(aten.histc.default, aten.bincount.default)

@@ -43,7 +43,8 @@ def lower_sum_over_sequence(sharding: ShardingInterpreter, n: fx.Node) -> Any:
     total = sum_over_group(sharding, partial, n)
     sharding.rewrites.append(f"{n.name}: local sum + all-reduce")
     if n.target in (aten.mean.default, aten.mean.dim):
-        count = sharding.length
+        outer, inner = (1, 1) if seq.plain else sharding._factors(seq)  # tokens flattened with the batch
+        count = sharding.length * outer * inner
         for d in dims:
             if d != seq.dim:
                 count = count * local.shape[d]
