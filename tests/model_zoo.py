@@ -333,6 +333,45 @@ class MoEGPT(GPTModel):
             layer.mlp = SortedExperts(32, 64)
 
 
+class CapacityExperts(nn.Module):
+    """Switch-style top-1 mixture of experts with a capacity computed from the token count,
+    ``ceil(tokens * factor / experts)``: a token's place in its expert's buffer is a ``cumsum``
+    over the tokens, tokens past the capacity are dropped (zero output), the kept ones are written
+    into an ``[experts * capacity, D]`` buffer, run as one batched matmul over the experts and read
+    back. Which tokens drop depends on every token before them and on the sequence's length."""
+
+    def __init__(self, hidden: int, mlp_hidden: int, experts: int = 4, capacity_factor: float = 1.0) -> None:
+        super().__init__()
+        self.experts, self.capacity_factor = experts, capacity_factor
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, hidden, mlp_hidden) * hidden**-0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, mlp_hidden, hidden) * mlp_hidden**-0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, S, D = x.shape
+        tokens = x.reshape(-1, D)
+        capacity = math.ceil(tokens.shape[0] * self.capacity_factor / self.experts)
+        gate, expert = self.router(tokens).softmax(-1).max(-1)
+        chosen = F.one_hot(expert, self.experts)
+        position = (chosen.cumsum(0) * chosen).sum(-1) - 1
+        kept = position < capacity
+        slot = torch.where(kept, expert * capacity + position, self.experts * capacity)
+        buffer = tokens.new_zeros(self.experts * capacity + 1, D).index_add(0, slot, tokens)
+        grouped = buffer[:-1].view(self.experts, capacity, D)
+        hidden = torch.bmm(F.silu(torch.bmm(grouped, self.w_in)), self.w_out)
+        rows = torch.cat([hidden.reshape(-1, D), hidden.new_zeros(1, D)])[slot]
+        return (rows * (gate * kept)[:, None]).view(B, S, D)
+
+
+class CapacityMoEGPT(GPTModel):
+    """The GPT decoder with capacity-limited (token-dropping) mixture-of-experts feed-forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for layer in self.layers:
+            layer.mlp = CapacityExperts(32, 64)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. DiT-style block model
 # ---------------------------------------------------------------------------------------------
@@ -1232,6 +1271,10 @@ ZOO: dict[str, ZooCase] = {
         ZooCase("gqa", GQAModel, _lm_inputs, _lm_loss, _ids_len, causal=True),
         ZooCase("custom_function", CustomFunctionGPT, _lm_inputs, _lm_loss, _ids_len, causal=True),
         ZooCase("moe", MoEGPT, _lm_inputs, _lm_loss, _ids_len, causal=True),
+        # Positions by a cumsum over the tokens and the buffer writes gather (3 per layer): the
+        # drops are decided on the whole sequence, as in eager. Not causal: the capacity grows
+        # with the length.
+        ZooCase("moe_capacity", CapacityMoEGPT, _lm_inputs, _lm_loss, _ids_len, gather_budget=6),
         ZooCase("alibi", ALiBiGPT, _lm_inputs, _lm_loss, _ids_len, causal=True),
         ZooCase("two_stream", TwoStreamModel, _two_stream_inputs, _two_stream_loss, _video_len),
         ZooCase("two_stream_by_hand", functools.partial(TwoStreamModel, by_hand=True), _two_stream_inputs,

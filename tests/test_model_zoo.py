@@ -26,7 +26,7 @@ EAGER_LENGTHS = (1, 3, 7, 16)
 # equal sizes to one symbol, so e.g. a DiT image of height 4 would share C's symbol and get
 # specialised by the conv (seq_len 6 -> H=4 recompiles at the next length). DiT grids: 3x4, 4x5.
 COMPILE_LENGTHS = (12, 20)
-LM_CASES = {"gpt", "gqa", "hf_llama", "hf_gpt2", "custom_function", "moe", "alibi"}
+LM_CASES = {"gpt", "gqa", "hf_llama", "hf_gpt2", "custom_function", "moe", "moe_capacity", "alibi"}
 # aot_eager compiles with dynamic shapes cost ~10-25 s of CPU per model (fwd + bwd), so only these
 # run in the quick tier; the rest are marked slow (deselect with -m "not slow").
 QUICK_COMPILE_CASES = {"gpt", "vit", "no_attention"}
