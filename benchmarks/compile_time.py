@@ -15,6 +15,12 @@ Every configuration runs in a fresh subprocess with fresh ``TORCHINDUCTOR_CACHE_
 ``TRITON_CACHE_DIR``. A second step is timed too (no compile). Results are *measured* on the
 machine that runs it, which the report names; on a shared machine expect run-to-run noise.
 
+Each timed call is split into stages: Dynamo's bytecode trace, AOTAutograd (metadata, joint
+trace, joint passes, partition) and Inductor (``compile_fx_inner``: lowering, code generation, the
+C++ compile) from ``torch._dynamo.utils.compilation_time_metrics`` (what ``compile_times()``
+prints), dcp's ATen re-trace with its analysis and its variant passes from dcp's own log records;
+"other" is the rest of the call (running the step, cache look-ups, what no timer covers).
+
     PYTHONPATH=. python benchmarks/compile_time.py --inner inductor aot_eager \\
         --out benchmarks/results/compile_time.md
 """
@@ -43,6 +49,76 @@ def _step(compiled, inputs, loss_of) -> float:
     return time.perf_counter() - start
 
 
+# Stages of torch's compile, by the names torch times them under (compilation_time_metrics).
+TORCH_STAGES = {
+    "dynamo": ("bytecode_tracing",),
+    "AOTAutograd": ("aot_collect_metadata", "aot_trace_joint_graph", "_recursive_joint_graph_passes",
+                    "min_cut_rematerialization_partition"),
+    "Inductor": ("compile_fx_inner",),
+}
+
+
+# Inductor's FX graph cache and AOTAutograd's cache: hits and misses during a timed call.
+CACHE_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+                  ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss"))
+
+
+class StageClock:
+    """Seconds per stage spent during one timed call (see the module docstring)."""
+
+    def __init__(self) -> None:
+        import logging
+
+        self.dcp_records: list[logging.LogRecord] = []
+        clock = self
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                clock.dcp_records.append(record)
+
+        for name, level in (("dcp_compile.compiler.passes.pipeline", logging.DEBUG),
+                            ("dcp_compile.compiler.progress", logging.INFO)):
+            logger = logging.getLogger(name)
+            logger.setLevel(level)
+            logger.addHandler(Keep())
+            logger.propagate = False
+
+    @staticmethod
+    def _torch_totals() -> dict[str, float]:
+        from torch._dynamo.utils import compilation_time_metrics
+
+        return {stage: sum(sum(compilation_time_metrics.get(key, ())) for key in keys)
+                for stage, keys in TORCH_STAGES.items()}
+
+    @staticmethod
+    def _cache_counts() -> dict[str, int]:
+        from torch._dynamo.utils import counters
+
+        return {f"{group}.{name}": counters[group][name] for group, name in CACHE_COUNTERS}
+
+    def timed(self, call) -> tuple[float, dict[str, float]]:
+        before, first_record = self._torch_totals(), len(self.dcp_records)
+        counts_before = self._cache_counts()
+        seconds = call()
+        after = self._torch_totals()
+        self.cache_hits = {key: value - counts_before[key] for key, value in self._cache_counts().items()}
+        stages = {stage: after[stage] - before[stage] for stage in TORCH_STAGES}
+        analysis = passes = 0.0
+        for record in self.dcp_records[first_record:]:
+            if record.name.endswith("pipeline") and record.msg.startswith("dcp: %s [%s] took"):
+                name, variant, pass_seconds = record.args
+                if variant == "analysis":
+                    continue  # inside the analysed-graph line below
+                passes += pass_seconds
+            elif record.name.endswith("progress") and str(record.args[0]).startswith("dcp: analysed graph"):
+                analysis += float(str(record.args[0]).rsplit(" in ", 1)[1].rstrip("s"))
+        if analysis or passes:
+            stages["dcp ATen re-trace + analysis"] = analysis
+            stages["dcp variant passes"] = passes
+        stages["other"] = seconds - sum(stages.values())
+        return seconds, {stage: round(value, 2) for stage, value in stages.items()}
+
+
 def worker(model_name: str, mode: str, inner: str) -> dict:
     """One configuration in this process; returns the timings."""
     import torch
@@ -59,10 +135,11 @@ def worker(model_name: str, mode: str, inner: str) -> dict:
     later_inputs, _ = case.make_inputs(tokens + 6, seed=1)  # another length: no recompile expected
     result = {"model": model_name, "case": case_name, "mode": mode, "inner": inner, "tokens": actual,
               "torch": torch.__version__, "load_average_1m": os.getloadavg()[0]}  # a shared machine's other work
+    clock = StageClock()
     if mode == "plain":
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=inner, dynamic=True)
-        result["first_step_s"] = _step(compiled, inputs, case.loss_of)
+        result["first_step_s"], result["first_step_stages"] = clock.timed(lambda: _step(compiled, inputs, case.loss_of))
         result["next_step_s"] = _step(compiled, later_inputs, case.loss_of)
         return result
 
@@ -79,11 +156,13 @@ def worker(model_name: str, mode: str, inner: str) -> dict:
         variants = []
         for sp_size, recompute in DCP_VARIANTS:
             with dcp.use(dcp.Variant(sp_size, recompute)):
-                seconds = _step(compiled, inputs, case.loss_of)
-            variants.append({"variant": f"sp={sp_size}/recompute={recompute}", "first_call_s": seconds})
+                seconds, stages = clock.timed(lambda: _step(compiled, inputs, case.loss_of))
+            variants.append({"variant": f"sp={sp_size}/recompute={recompute}", "first_call_s": seconds,
+                             "stages": stages, "caches": clock.cache_hits})
         with dcp.use(dcp.Variant(*DCP_VARIANTS[0])):
             result["next_step_s"] = _step(compiled, later_inputs, case.loss_of)
         result["first_step_s"] = variants[0]["first_call_s"]
+        result["first_step_stages"] = variants[0]["stages"]
         result["variants"] = variants
     finally:
         dist.destroy_process_group()
@@ -157,8 +236,41 @@ def markdown(results: list[dict], machine: str) -> str:
                 f"({'within' if max(first) <= 1.5 else 'over'} the 1.5x goal); further variants "
                 f"{min(further):.2f}x-{max(further):.2f}x of plain's first step "
                 f"({sum(x <= 0.5 for x in further)} of {len(further)} within the 0.5x goal)")
+    lines += stage_table(results, rows, by_key)
     lines += ["", "Raw results:", "", "```json", json.dumps(results, indent=1), "```", ""]
     return "\n".join(lines)
+
+
+def _stages(stages: dict[str, float] | None) -> str:
+    if not stages:
+        return "-"
+    return ", ".join(f"{name} {seconds:.1f}" for name, seconds in stages.items() if abs(seconds) >= 0.05)
+
+
+def _caches(counts: dict[str, int] | None) -> str:
+    if not counts or not any(counts.values()):  # aot_eager uses neither cache
+        return ""
+    return (f" (FX graph cache {counts['inductor.fxgraph_cache_hit']} hit(s) / {counts['inductor.fxgraph_cache_miss']} "
+            f"miss(es), AOTAutograd cache {counts['aot_autograd.autograd_cache_hit']} / "
+            f"{counts['aot_autograd.autograd_cache_miss']})")
+
+
+def stage_table(results: list[dict], rows: list[tuple], by_key: dict) -> list[str]:
+    """Where each timed call went, stage by stage (seconds; see the module docstring)."""
+    if not any("first_step_stages" in r for r in results):
+        return []
+    lines = ["", "Where the time went (seconds per stage of each timed call; stages under 0.05 s left out):", "",
+             "| model | inner | plain first step | dcp first step (SP 2) | dcp further variants |",
+             "| --- | --- | --- | --- | --- |"]
+    for model_name, inner, run in rows:
+        plain, dcp = by_key.get((model_name, inner, "plain", run)), by_key.get((model_name, inner, "dcp", run))
+        if not plain or not dcp or "error" in plain or "error" in dcp:
+            continue
+        further = "; ".join(f"{v['variant']}: {_stages(v.get('stages'))}{_caches(v.get('caches'))}"
+                            for v in dcp["variants"][1:])
+        lines.append(f"| {model_name}, pass {run + 1} | {inner} | {_stages(plain.get('first_step_stages'))} | "
+                     f"{_stages(dcp.get('first_step_stages'))} | {further} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
