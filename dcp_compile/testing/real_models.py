@@ -1289,7 +1289,7 @@ def new_row(case: RealCase, tokens: int) -> dict[str, Any]:
         "requested": tokens, "tokens": None, "budget": case.gather_budget,
         "parity_ok": None, "max_error": None, "parity_problems": [],
         "attention_sites": 0, "sites_covered": 0, "eager_sdpa_calls": None, "graph_sdpa_calls": None,
-        "gathers": 0, "gather_reasons": {}, "fallbacks": [], "unsharded": [], "graphs": 0, "graph_ids": [],
+        "gathers": 0, "gather_reasons": {}, "fallbacks": [], "inner_fallbacks": [], "unsharded": [], "graphs": 0, "graph_ids": [],
         "summary_lines": [], "error": None, "error_where": None, "traceback": None,
         "failures": [], "compile_seconds": None, "seconds": None,
     }
@@ -1313,6 +1313,8 @@ def _record_sharding(row: dict[str, Any], record: Any, budget: int) -> None:
             reasons.update(variant.gather_reasons())
             row["gathers"] += len(variant.gathers)
             label = f"graph {graph.graph_id} {variant.variant}"
+            if variant.inner_fallback:  # the variant runs under another inner compiler than asked
+                row["inner_fallbacks"].append(f"{label}: {variant.inner_fallback}")
             if variant.fallback_reason is not None:
                 row["fallbacks"].append(variant.fallback_reason)
                 row["failures"].append(f"{label}: whole graph UNSHARDED: {variant.fallback_reason}")

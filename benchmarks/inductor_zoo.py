@@ -1,0 +1,184 @@
+"""Which diffusers DiTs of the real-model zoo compile with Inductor under dcp, and which fall back?
+
+Each diffusers case of ``dcp_compile/testing/real_models.py`` is compiled with
+``torch.compile(model, backend="dcp", dynamic=True, options={"inner": "inductor", "sp_size": 2})``
+in its own process, on a 2-rank *fake* process group (collectives compile but move no data: this is
+a compile survey, parity is ``tests/test_inductor_zoo.py``'s job on gloo), and run forward and
+backward at the case's first token count, so both the forward and the (lazily compiled) backward
+meet Inductor. Per case it records every variant whose inner compiler fell back
+(``VariantRecord.inner_fallback``, the line ``dcp.explain`` prints) and any exception.
+
+    PYTHONPATH=. python benchmarks/inductor_zoo.py                      # every diffusers DiT
+    PYTHONPATH=. python benchmarks/inductor_zoo.py --cases sana,flux --out /tmp/x.md
+    PYTHONPATH=. python benchmarks/inductor_zoo.py --no-patch           # torch's Inductor as shipped
+
+``--no-patch`` sets ``DCP_INDUCTOR_PATCHES=0`` (dcp_compile/compiler/inductor_patches.py), so the
+run shows what torch's own Inductor does. Inductor on CPU generates and compiles C++: about 1-3
+minutes per case on a loaded 2-core machine. The table is rewritten after every case; ``--resume``
+keeps the cases already in the JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def survey_one(name: str, tokens: int | None) -> dict[str, Any]:
+    """Compile and run one case on a fake 2-rank world (this process is rank 0)."""
+    import logging
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import dcp_compile as dcp
+    from dcp_compile.testing import real_models as rm
+
+    torch.set_num_threads(1)
+    case = rm.CASES[name]
+    for setting, value in case.dynamo_config:
+        setattr(torch._dynamo.config, setting, value)
+    n = tokens or case.lengths[0]
+    row: dict[str, Any] = {"model": name, "class": case.model_class, "tokens": None, "fallbacks": [],
+                           "error": None, "where": None, "seconds": None}
+    warnings: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("dcp_compile.compiler.inner_compilers").addHandler(Catch(logging.WARNING))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    start = time.perf_counter()
+    try:
+        model = case.build()
+        compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "inductor", "sp_size": 2})
+        inputs, row["tokens"] = case.make_inputs(n)
+        record = dcp.explain(compiled, **inputs)
+        for graph in record.graphs:
+            for variant in graph.variants.values():
+                if variant.inner_fallback:
+                    row["fallbacks"].append(f"graph {graph.graph_id} {variant.variant}: {variant.inner_fallback}")
+        inputs, _ = case.make_inputs(n)
+        case.loss_of(compiled(**inputs)).backward()
+    except Exception as error:  # noqa: BLE001 - the survey records every failure
+        row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
+        frames = traceback.extract_tb(error.__traceback__)
+        row["where"] = f"{frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno} ({frames[-1].name})" if frames else None
+        row["traceback"] = traceback.format_exc()[-4000:]
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    row["fallback_warnings"] = len(warnings)
+    from dcp_compile.compiler.inductor_patches import rescued_stride_sorts
+
+    row["patched_sorts"] = rescued_stride_sorts()  # > 0: torch's Inductor as shipped would have failed
+    return row
+
+
+def render(rows: list[dict[str, Any]], patched: bool) -> str:
+    import torch
+
+    fallbacks = [row["model"] for row in rows if row["fallbacks"]]
+    errors = [row["model"] for row in rows if row["error"]]
+    lines = [
+        "# Inductor on the zoo's diffusers DiTs under dcp (SP 2, fake world, CPU)",
+        "",
+        f"Measured {datetime.date.today()} with torch {torch.__version__} on CPU, "
+        f"dcp's Inductor patches {'on' if patched else 'off (DCP_INDUCTOR_PATCHES=0)'}; "
+        "`PYTHONPATH=. python benchmarks/inductor_zoo.py"
+        f"{'' if patched else ' --no-patch'}`. Each case: compile with `inner=\"inductor\"`, SP 2 on a "
+        "fake 2-rank process group, forward and backward at the first token count (compile survey; "
+        "parity on gloo is `tests/test_inductor_zoo.py`).",
+        "",
+        f"**{len(rows)} cases: {len(rows) - len(set(fallbacks) | set(errors))} compile with Inductor everywhere, "
+        f"{len(fallbacks)} fall back to aot_eager ({', '.join(fallbacks) or 'none'}), "
+        f"{len(errors)} raise ({', '.join(errors) or 'none'}).**",
+        "",
+        "Patched sorts: Inductor stride sorts that dcp's patch (dcp_compile/compiler/inductor_patches.py, "
+        "pytorch/pytorch#172204) redid with the shape environment; more than 0 means torch's Inductor as "
+        "shipped fails on this model (a forward sort: the variant falls back to aot_eager; a backward one: "
+        "the first backward raises).",
+        "",
+        "| model | class | tokens | Inductor | patched sorts | seconds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if row["error"]:
+            status = f"ERROR {row['error']} at {row['where']}"
+        elif row["fallbacks"]:
+            status = f"FALLBACK in {len(row['fallbacks'])} variant(s): {row['fallbacks'][0][:200]}"
+        else:
+            status = "ok"
+        lines.append(f"| {row['model']} | {row['class']} | {row['tokens']} | {status.replace('|', '/')} | "
+                     f"{row.get('patched_sorts', '-')} | {row['seconds']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=None, help="comma-separated case names (default: every diffusers case)")
+    parser.add_argument("--out", default=str(RESULTS / "inductor_zoo_cpu.md"))
+    parser.add_argument("--no-patch", action="store_true", help="torch's Inductor as shipped (DCP_INDUCTOR_PATCHES=0)")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--render", action="store_true", help="rewrite the table from the JSON file only")
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--jobs", type=int, default=1, help="cases compiled at once, each in its own process")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print("ROW " + json.dumps(survey_one(args.one, None)))
+        return
+    from dcp_compile.testing import real_models as rm
+
+    names = args.cases.split(",") if args.cases else [c.name for c in rm.CASES.values() if c.library == "diffusers"]
+    out = Path(args.out)
+    json_path = out.with_suffix(".json")
+    rows: list[dict[str, Any]] = json.loads(json_path.read_text()) if (args.resume or args.render) and json_path.exists() else []
+    if args.render:
+        out.write_text(render(rows, not args.no_patch))
+        return
+    done = {row["model"] for row in rows}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    if args.no_patch:
+        env["DCP_INDUCTOR_PATCHES"] = "0"
+    def survey(name: str) -> dict[str, Any]:
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True,
+                                  timeout=args.timeout, env=env, cwd=ROOT)
+            found = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+            if found:
+                return json.loads(found[-1])
+            last = proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else ""
+            return {"model": name, "class": rm.CASES[name].model_class, "tokens": None, "fallbacks": [],
+                    "error": f"process exited {proc.returncode}: {last}", "where": None,
+                    "seconds": round(time.perf_counter() - start, 1)}
+        except subprocess.TimeoutExpired:
+            return {"model": name, "class": rm.CASES[name].model_class, "tokens": None, "fallbacks": [],
+                    "error": f"timeout after {args.timeout:.0f} s", "where": None, "seconds": args.timeout}
+
+    order = {name: index for index, name in enumerate(names)}
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for row in pool.map(survey, [name for name in names if name not in done]):
+            rows.append(row)
+            rows.sort(key=lambda r: order.get(r["model"], len(order)))
+            status = "ERROR " + row["error"] if row["error"] else ("FALLBACK" if row["fallbacks"] else "ok")
+            print(f"{row['model']}: {status}, {row.get('patched_sorts')} patched sorts ({row['seconds']} s)", flush=True)
+            json_path.write_text(json.dumps(rows, indent=1))
+            out.write_text(render(rows, not args.no_patch))
+
+
+if __name__ == "__main__":
+    main()

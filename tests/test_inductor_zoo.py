@@ -1,0 +1,44 @@
+"""Every diffusers DiT of the real-model zoo compiles with Inductor under dcp, with no fallback.
+
+The zoo's worker (``dcp_compile/testing/real_models.py``) with ``inner="inductor"`` at SP 2 on a
+2-rank gloo world, at each case's first token count: sharding as in ``test_real_model_zoo.py``,
+forward+backward parity with eager, and no variant that fell back to ``aot_eager``
+(``VariantRecord.inner_fallback``, which ``dcp.explain`` prints). Inductor generates and compiles
+C++ for every variant, forward and backward: several minutes per case on a loaded 2-core machine,
+so every case is slow-tier. ``benchmarks/inductor_zoo.py`` is the faster compile-only survey
+(``benchmarks/results/inductor_zoo_cpu.md``).
+
+    pytest tests/test_inductor_zoo.py -m slow -k "sana or wan"
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dcp_compile.testing import real_models as rm
+
+DIFFUSERS = [case.name for case in rm.CASES.values() if case.library == "diffusers"]
+CASE_TIMEOUT = 1800.0  # seconds: two ranks each compiling forward and backward with Inductor
+
+
+def _params():
+    for name in DIFFUSERS:
+        marks = [pytest.mark.slow]
+        if name in rm.KNOWN_GAPS:
+            marks.append(pytest.mark.xfail(strict=False, reason=f"known gap: {rm.KNOWN_GAPS[name]}"))
+        yield pytest.param(name, id=name, marks=marks)
+
+
+@pytest.mark.parametrize("name", _params())
+def test_diffusers_dit_compiles_with_inductor_without_fallback(name: str) -> None:
+    pytest.importorskip("diffusers")
+    case = rm.CASES[name]
+    rows = rm.run_case(name, world_size=2, timeout=CASE_TIMEOUT, lengths=case.lengths[:1], inner="inductor")
+    for row in rows:
+        print(rm.format_row(row), "| inner fallbacks:", row["inner_fallbacks"] or "none")
+    fallbacks = [f"{row['model']}@{row['tokens']}: {line}" for row in rows for line in row["inner_fallbacks"]]
+    failures = [f"{row['model']}@{row['tokens'] or row['requested']}: {failure}" for row in rows for failure in row["failures"]]
+    tracebacks = [row["traceback"] for row in rows if row["traceback"]]
+    assert not fallbacks, "variants fell back from Inductor:\n" + "\n".join(fallbacks)
+    assert not failures, "\n".join(failures) + ("\n\n" + tracebacks[0] if tracebacks else "")
+    assert all(row["parity_ok"] for row in rows), rows
