@@ -384,3 +384,93 @@ def test_the_guide_fault_guard_loop_runs():
     rank0, rank1 = run_in_process_world(_guide_loop, 2, _guide_fault_guard_block(), timeout=120, env=CHECK_WAIT)
     assert 2 in rank0["sp_sizes"], rank0  # the SP-group check ran on real SP-2 micro-batches
     assert rank0["parameters"] == rank1["parameters"]
+
+
+# --- the check off the critical path (DCP_RANK_CHECK=async; the default on NCCL) ----------------
+
+ASYNC_CHECK = {"DCP_RANK_CHECK": "async"}
+
+
+def test_the_check_mode_is_sync_on_gloo_and_async_on_nccl_unless_set(monkeypatch):
+    from dcp_compile.runtime.consistency import check_mode
+
+    monkeypatch.delenv("DCP_RANK_CHECK", raising=False)
+    assert (check_mode("gloo"), check_mode("nccl")) == ("sync", "async")
+    monkeypatch.setenv("DCP_RANK_CHECK", "async")
+    assert check_mode("gloo") == "async"
+    monkeypatch.setenv("DCP_RANK_CHECK", "sync")
+    assert check_mode("nccl") == "sync"
+    monkeypatch.setenv("DCP_RANK_CHECK", "later")
+    with pytest.raises(ValueError, match="DCP_RANK_CHECK='later'"):
+        check_mode("gloo")
+
+
+def _async_steps(rank: int, world_size: int) -> dict:
+    """Three agreeing calls and a gradient sync with the check beside each call: exact, nothing left
+    outstanding."""
+    import dcp_compile as dcp
+    from dcp_compile.runtime import consistency
+
+    model, compiled = _compiled()
+    values = []
+    for length in (37, 40, 37):
+        ids = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
+        with dcp.use(dcp.Variant(2)):
+            out = compiled(ids)
+        out.float().pow(2).mean().backward()
+        values.append(out.sum().item())
+    dcp.sync_gradients(model)
+    return {"values": values, "outstanding": len(consistency._pending)}
+
+
+def test_async_checks_of_agreeing_ranks_pass_and_settle_by_the_sync():
+    torch.manual_seed(0)
+    model = TinyAttentionLM()
+    eager = [model(torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(n))).sum().item()
+             for n in (37, 40, 37)]
+    for result in run_in_process_world(_async_steps, 2, timeout=120, env={**CHECK_WAIT, **ASYNC_CHECK}):
+        assert result["outstanding"] == 0, result
+        assert all(abs(a - b) < 1e-4 for a, b in zip(result["values"], eager)), (result, eager)
+
+
+def test_async_check_of_different_batches_raises_on_every_rank_by_the_end_of_the_call():
+    for result in run_in_process_world(_batches_differ, 2, True, timeout=120, env={**CHECK_WAIT, **ASYNC_CHECK}):
+        assert result["type"] == "RankMismatchError", result
+        assert "rank 1 and rank 0: the same shapes, but different integer values" in result["message"], result
+
+
+class _NeverDone:
+    """A collective's work handle whose peers never arrive."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, timeout=None) -> bool:
+        raise RuntimeError("Timed out waiting for the peers")
+
+
+def test_a_check_outstanding_past_the_wait_is_logged_by_the_watchdog_and_raised_by_the_call(fake_world, monkeypatch, caplog):
+    """With the check beside the call, a rank whose peers never arrive is blocked in the call's own
+    collectives: the watchdog logs where it waits once the bounded wait has passed, and the call's
+    broken collective then raises that timeout (not the transport's error)."""
+    import time
+
+    from dcp_compile.runtime import consistency
+
+    monkeypatch.setenv("DCP_RANK_CHECK_TIMEOUT", "0.2")
+    pending = consistency.PendingCheck(_NeverDone(), [], None, (0, 1), "the SP-2 check of graph 0 (test)", 0, "v", 8,
+                                       ((2, 8),), torch.zeros(0, dtype=torch.int64), 0, (), time.monotonic())
+    with consistency._pending_lock:
+        consistency._pending.append(pending)
+    if not consistency._watchdog:
+        consistency._start_watchdog()
+    deadline = time.monotonic() + 30
+    while pending.timeout_message is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pending.timeout_message and "waited 0s in the SP-2 check of graph 0 (test)" in pending.timeout_message
+    assert any("SP-2 check of graph 0 (test)" in r.getMessage() for r in caplog.records if r.levelname == "ERROR")
+    with pytest.raises(consistency.RankTimeoutError, match="SP-2 check of graph 0") as raised:
+        with consistency.SettledAfterCall(pending):
+            raise RuntimeError("Connection closed by peer")
+    assert "Connection closed by peer" in str(raised.value.__cause__)
+    consistency._forget(pending)

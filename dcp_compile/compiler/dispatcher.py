@@ -25,7 +25,7 @@ from dcp_compile.compiler.key_value_outputs import find_returned_key_values, war
 from dcp_compile.compiler.progress import CompiledVariant, compile_stage, compiling, report_compiled
 from dcp_compile.compiler.passes.context import Analysis, PassContext
 from dcp_compile.compiler.passes.pipeline import GraphInput, GraphPass, run_passes
-from dcp_compile.runtime.consistency import check_sp_group_agrees
+from dcp_compile.runtime.consistency import PendingCheck, SettledAfterCall, check_sp_group_agrees
 from dcp_compile.runtime.graph_parameters import note_graph_call, note_graph_outputs
 from dcp_compile.runtime.process_groups import sp_group
 from dcp_compile.compiler.record import GraphRecord, VariantRecord
@@ -105,8 +105,7 @@ class Dispatcher:
 
     def __call__(self, *args: Any) -> Any:
         variant, reason = self.select(args)
-        if self.options.check_ranks and variant.sp_size > 1:
-            self.check_ranks(variant, args)
+        pending = self.check_ranks(variant, args) if self.options.check_ranks and variant.sp_size > 1 else None
         scalars = self.scalars_of(args) if self.analysis.scalar_inputs else ()
         compiled = self.compiled.get((variant, scalars))
         if compiled is None:
@@ -123,18 +122,20 @@ class Dispatcher:
         def run() -> Any:
             return compiled(*args, *(graph_input.provide() for graph_input in added)) if added else compiled(*args)
 
-        if self.options.check and not variant.packed and (variant, scalars) not in self.checked:
-            self.checked.add((variant, scalars))
-            group = sp_group(variant.sp_size).process_group if variant.sp_size > 1 else None
-            check_first_call(self.analysed, variant, args, run, self.analysis.parameter_indices, group)
-        return note_graph_outputs(run(), variant.sp_size)  # which backward runs it (eager parameters)
+        with SettledAfterCall(pending):  # the rank check issued beside this call is compared by its end
+            if self.options.check and not variant.packed and (variant, scalars) not in self.checked:
+                self.checked.add((variant, scalars))
+                group = sp_group(variant.sp_size).process_group if variant.sp_size > 1 else None
+                check_first_call(self.analysed, variant, args, run, self.analysis.parameter_indices, group)
+            return note_graph_outputs(run(), variant.sp_size)  # which backward runs it (eager parameters)
 
-    def check_ranks(self, variant: Variant, args: tuple) -> None:
-        """The SP group agrees on the variant and the inputs before any collective (raises on all)."""
+    def check_ranks(self, variant: Variant, args: tuple) -> PendingCheck | None:
+        """The SP group agrees on the variant and the inputs (raises on all); the check is issued
+        beside the call and settled by its end (``DCP_RANK_CHECK=sync``: waited on here)."""
         group = sp_group(variant.sp_size)
         length = self.read_length(args) if self.read_length is not None else None
-        check_sp_group_agrees(variant, args, group.process_group, group.ranks, graph_id=self.record.graph_id,
-                              length=length, parameter_indices=self.analysis.parameter_indices)
+        return check_sp_group_agrees(variant, args, group.process_group, group.ranks, graph_id=self.record.graph_id,
+                                     length=length, parameter_indices=self.analysis.parameter_indices)
 
     def compile_variant(self, variant: Variant, scalars: tuple[float, ...] = ()) -> Callable:
         start = time.perf_counter()

@@ -17,6 +17,21 @@ the process group's key-value store and reads what the others wrote, so the erro
 fails in user code inside :func:`fault_guard` writes its error there too, and peers whose
 collectives then break name it.
 
+Off the critical path (``DCP_RANK_CHECK``): ``async``, the default on NCCL, issues the SP-group
+check's all-gather without waiting, ahead of the call's own collectives on the same group, and
+settles it once it has completed: at the end of the call when it has (a CUDA event says so, no
+host synchronisation), else at the group's next call, at the next world check (``sync_gradients``)
+or when the call raises. A disagreement raises the same :class:`RankMismatchError` on every rank,
+naming each rank's call, at the latest before the step's gradients are reduced; the mismatched
+call's collectives may have run first. A rank that never arrives leaves the others blocked in the
+call's own collectives, not in the check: a watchdog thread notices the check outstanding past the
+bounded wait (or completed with a disagreement while its call still runs), logs the error, writes
+where this rank waits to the store (so the peers' errors name it) and aborts an NCCL group so the
+blocked call fails with the check's error. ``sync``, the default on every other backend, waits on
+every check before the call's first collective: gloo aborts the whole process when a collective's
+sizes differ between ranks (``gloo::EnforceNotMet ... Received data size doesn't match expected
+size``), so there the disagreement must be known first; it is also the mode for debugging.
+
 Turn the per-call check off with ``options={"check_ranks": False}``; the sampler's plan check
 with ``DataCentricSampler(..., verify_plan=False)``.
 """
@@ -28,7 +43,10 @@ import datetime
 import hashlib
 import logging
 import os
+import pickle
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -38,6 +56,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
+CHECK_MODE_ENV = "DCP_RANK_CHECK"  # "auto" (default), "async" or "sync"
 _STORE_PREFIX = "dcp/fault/"
 _MASK = (1 << 62) - 1
 
@@ -66,6 +85,19 @@ def check_timeout_seconds() -> float:
     if seconds <= 0:
         raise ValueError(f"DCP_RANK_CHECK_TIMEOUT must be > 0 seconds, got {seconds}")
     return seconds
+
+
+def check_mode(backend: str | None = None) -> str:
+    """``sync`` (the check is waited on before the call's collectives) or ``async`` (it runs beside
+    the call), from ``DCP_RANK_CHECK``; unset or ``auto``: ``async`` on NCCL, ``sync`` on every other
+    backend (gloo aborts the process on a collective whose sizes differ between ranks, so there a
+    disagreement must be known before the call's first collective)."""
+    mode = os.environ.get(CHECK_MODE_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "async", "sync"):
+        raise ValueError(f"{CHECK_MODE_ENV}={mode!r}: use 'sync', 'async' or 'auto' (async on NCCL, else sync)")
+    if mode == "auto":
+        return "async" if backend == "nccl" else "sync"
+    return mode
 
 
 def _digest(text: str) -> int:
@@ -129,11 +161,10 @@ def next_sync_number() -> int:
     return _syncs[0] - 1
 
 
-def _exchange(values: torch.Tensor, group: Any, ranks: Sequence[int], where: str) -> list[list[int]]:
-    """All-gather ``values`` over ``group`` with a bounded wait; rows in group order."""
-    gathered = [torch.empty_like(values) for _ in ranks]
-    work = dist.all_gather(gathered, values, group=group, async_op=True)
-    timeout = check_timeout_seconds()
+def _wait_rows(work: Any, gathered: list[torch.Tensor], ranks: Sequence[int], where: str,
+               timeout: float | None = None) -> list[list[int]]:
+    """Wait for an all-gather with a bounded wait; its rows in group order."""
+    timeout = check_timeout_seconds() if timeout is None else timeout
     try:
         work.wait(datetime.timedelta(seconds=timeout))
     except RuntimeError as error:
@@ -146,6 +177,13 @@ def _exchange(values: torch.Tensor, group: Any, ranks: Sequence[int], where: str
     return [row.tolist() for row in gathered]
 
 
+def _exchange(values: torch.Tensor, group: Any, ranks: Sequence[int], where: str) -> list[list[int]]:
+    """All-gather ``values`` over ``group`` with a bounded wait; rows in group order."""
+    gathered = [torch.empty_like(values) for _ in ranks]
+    work = dist.all_gather(gathered, values, group=group, async_op=True)
+    return _wait_rows(work, gathered, ranks, where)
+
+
 def _skipped(group: Any) -> bool:
     """No real peers to ask: one process, or torch's fake backend (structure tests)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -153,51 +191,284 @@ def _skipped(group: Any) -> bool:
     return dist.get_backend(group) == "fake"
 
 
+_variant_digests: dict[Any, int] = {}
+_shape_digests: dict[tuple, int] = {}
+
+
+def _cached_digest(cache: dict, key: Any) -> int:
+    value = cache.get(key)
+    if value is None:
+        if len(cache) > 4096:
+            cache.clear()
+        value = cache[key] = _digest(str(key) if cache is _variant_digests else repr(key))
+    return value
+
+
+@dataclass
+class PendingCheck:
+    """An SP-group check issued beside its call and not yet compared (``DCP_RANK_CHECK=async``)."""
+
+    work: Any
+    gathered: list[torch.Tensor]
+    group: Any
+    ranks: tuple[int, ...]
+    where: str
+    graph_id: int
+    variant: Any
+    length: Any
+    shapes: tuple[tuple[int, ...], ...]
+    digests: torch.Tensor
+    call_index: int
+    others: tuple[Any, ...]
+    issued: float
+    host: torch.Tensor | None = None  # NCCL: the rows copied to pinned memory, ready when ``ready`` is
+    ready: Any = None  # a CUDA event after the copy (None on CPU backends)
+    settled: bool = False
+    error: BaseException | None = None  # found by the watchdog: raised by the call that settles it
+    timeout_message: str | None = None  # the watchdog's account of a check outstanding past the wait
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def completed(self) -> bool:
+        if self.ready is not None:
+            return bool(self.ready.query())
+        return bool(self.work.is_completed())
+
+    def rows(self) -> list[list[int]]:
+        if self.host is not None:
+            self.ready.synchronize()
+            return self.host.view(len(self.ranks), -1).tolist()
+        return [row.tolist() for row in self.gathered]
+
+    def description(self) -> "CallDescription":
+        return CallDescription(dist.get_rank(), str(self.variant), self.length, self.shapes,
+                               tuple(int(d) for d in self.digests.tolist()), self.call_index, self.others)
+
+
+_pending: deque[PendingCheck] = deque()
+_pending_lock = threading.Lock()
+_watchdog: list[threading.Thread] = []
+
+
+def _signature(variant: Any, args: Sequence[Any], ranks: tuple[int, ...], length: Any,
+               parameter_indices: Sequence[int], device: torch.device) -> tuple[torch.Tensor, tuple, tuple, torch.Tensor, int]:
+    """(signature, shapes, other arguments, integer digests, call index) of one call."""
+    call_index = _counter.calls.get(ranks, 0)
+    _counter.calls[ranks] = call_index + 1
+    skip = set(parameter_indices)
+    inputs = [a for i, a in enumerate(args) if i not in skip] if skip else list(args)
+    tensors = [a for a in inputs if isinstance(a, torch.Tensor)]
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    others = tuple(a for a in inputs if isinstance(a, (int, float, bool)) and not isinstance(a, torch.Tensor))
+    integers = [t for t in tensors if not t.is_floating_point() and not t.is_complex() and t.numel() > 0]
+    # Neither the graph id nor the integer (SymInt) arguments: a rank whose chunk is 1 token long
+    # fails a guard the others pass (PyTorch specialises sizes of 1), so dynamo recompiles there
+    # only, and the same call reaches graph 1 with fresh size symbols on that rank ([2, 7, 7]) and
+    # graph 0 on the others ([2, 7]). Those sizes are the tensors' shapes, which are compared.
+    header = [0, _cached_digest(_variant_digests, variant), call_index, _cached_digest(_shape_digests, shapes),
+              -1 if length is None or length == "-" else int(length)]
+    if not integers:
+        return torch.tensor(header + [0], dtype=torch.int64, device=device), shapes, others, _NO_DIGESTS, call_index
+    digests = torch.stack([integer_digest(t).to(device) for t in integers])
+    folded = (digests * torch.arange(1, len(integers) + 1, device=device, dtype=torch.int64)).sum().reshape(1)
+    signature = torch.cat([torch.tensor(header, dtype=torch.int64, device=device), folded])
+    return signature, shapes, others, digests, call_index
+
+
+_NO_DIGESTS = torch.zeros(0, dtype=torch.int64)
+
+
 def check_sp_group_agrees(variant: Any, args: Sequence[Any], group: Any, ranks: Sequence[int], *,
-                          graph_id: int, length: Any, parameter_indices: Sequence[int] = ()) -> None:
+                          graph_id: int, length: Any, parameter_indices: Sequence[int] = (),
+                          mode: str | None = None) -> PendingCheck | None:
     """Before a compiled call's first collective: the SP group agrees on variant and inputs.
 
     The signature is six int64s (a zero where the graph id would be, a digest of the variant, this
     group's call number, a digest of the non-parameter input shapes, the attention length, a
     digest of the integer tensors' values); one all-gather over the group. Only when
     they differ are the readable descriptions exchanged, so every rank raises the same error.
+
+    ``mode`` (default :func:`check_mode`): ``sync`` waits and raises here; ``async`` settles this
+    group's earlier checks, issues this one and returns it: the caller settles it after the call
+    (:class:`SettledAfterCall`).
     """
     if group is None or _skipped(group):
-        return
+        return None
     ranks = tuple(ranks)
-    call_index = _counter.calls.get(ranks, 0)
-    _counter.calls[ranks] = call_index + 1
-    skip = set(parameter_indices)
-    inputs = [a for i, a in enumerate(args) if i not in skip]
-    tensors = [a for a in inputs if isinstance(a, torch.Tensor)]
-    shapes = tuple(tuple(t.shape) for t in tensors)
-    others = tuple(a for a in inputs if isinstance(a, (int, float, bool)) and not isinstance(a, torch.Tensor))
-    integers = [t for t in tensors if not t.is_floating_point() and not t.is_complex() and t.numel() > 0]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    # Neither the graph id nor the integer (SymInt) arguments: a rank whose chunk is 1 token long
-    # fails a guard the others pass (PyTorch specialises sizes of 1), so dynamo recompiles there
-    # only, and the same call reaches graph 1 with fresh size symbols on that rank ([2, 7, 7]) and
-    # graph 0 on the others ([2, 7]). Those sizes are the tensors' shapes, which are compared.
-    header = torch.tensor([
-        0, _digest(str(variant)), call_index, _digest(repr(shapes)),
-        -1 if length is None or length == "-" else int(length),
-    ], dtype=torch.int64, device=device)
-    if integers:
-        digests = torch.stack([integer_digest(t).to(device) for t in integers])
-        folded = (digests * torch.arange(1, len(integers) + 1, device=device, dtype=torch.int64)).sum().reshape(1)
-    else:
-        digests = torch.zeros(0, dtype=torch.int64, device=device)
-        folded = torch.zeros(1, dtype=torch.int64, device=device)
-    signature = torch.cat([header, folded])
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    signature, shapes, others, digests, call_index = _signature(variant, args, ranks, length, parameter_indices, device)
     where = f"the SP-{len(ranks)} check of graph {graph_id} ({variant}, call {call_index} of group {list(ranks)})"
-    rows = _exchange(signature, group, ranks, where)
-    if all(row == rows[0] for row in rows):
-        return
-    mine = CallDescription(dist.get_rank(), str(variant), length, shapes,
-                           tuple(int(d) for d in digests.tolist()), call_index, others)
-    described: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(described, mine, group=group)
-    raise RankMismatchError(_mismatch_message(described, graph_id))
+    if (mode or check_mode("nccl" if nccl else None)) == "sync":
+        rows = _exchange(signature, group, ranks, where)
+        if all(row == rows[0] for row in rows):
+            return None
+        mine = CallDescription(dist.get_rank(), str(variant), length, shapes,
+                               tuple(int(d) for d in digests.tolist()), call_index, others)
+        described: list[Any] = [None] * len(ranks)
+        dist.all_gather_object(described, mine, group=group)
+        raise RankMismatchError(_mismatch_message(described, graph_id))
+    if _pending:
+        settle_pending_checks(ranks)
+    if nccl:
+        gathered_all = torch.empty(len(ranks) * signature.numel(), dtype=torch.int64, device=device)
+        work = dist.all_gather_into_tensor(gathered_all, signature, group=group, async_op=True)
+        work.wait()  # the current stream waits for the gather; the host does not
+        host = torch.empty(gathered_all.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(gathered_all, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        gathered = [gathered_all]
+    else:
+        gathered = [torch.empty_like(signature) for _ in ranks]
+        work = dist.all_gather(gathered, signature, group=group, async_op=True)
+        host = ready = None
+    pending = PendingCheck(work, gathered, group, ranks, where, graph_id, variant, length, shapes, digests, call_index,
+                           others, time.monotonic(), host, ready)
+    with _pending_lock:
+        _pending.append(pending)
+    if not _watchdog:
+        _start_watchdog()
+    return pending
+
+
+def _settle(pending: PendingCheck, wait: bool, timeout: float | None = None) -> bool:
+    """Compare a pending check's rows if it has completed (or ``wait``: with the bounded wait).
+    True once settled; raises :class:`RankMismatchError` (on every rank) on a disagreement."""
+    with pending.lock:
+        if pending.error is not None:
+            raise pending.error
+        if pending.settled:
+            return True
+        if not wait and not pending.completed():
+            return False
+        try:
+            if pending.host is not None:
+                _wait_rows(pending.work, [], pending.ranks, pending.where, timeout)
+                rows = pending.rows()
+            else:
+                rows = _wait_rows(pending.work, pending.gathered, pending.ranks, pending.where, timeout)
+        except (RankTimeoutError, PeerFailureError) as error:
+            pending.error = error
+            _forget(pending)
+            raise
+        pending.settled = True
+        _forget(pending)
+        if all(row == rows[0] for row in rows):
+            return True
+        pending.error = RankMismatchError(_mismatch_message(_describe_through_store(pending), pending.graph_id))
+        raise pending.error
+
+
+def _forget(pending: PendingCheck) -> None:
+    with _pending_lock:
+        try:
+            _pending.remove(pending)
+        except ValueError:
+            pass
+
+
+def settle_pending_checks(ranks: tuple[int, ...] | None = None) -> None:
+    """Wait on (bounded) and compare every outstanding SP-group check, or those of one group;
+    raises the first disagreement. ``check_world_agrees`` (``sync_gradients``) runs it first."""
+    with _pending_lock:
+        outstanding = [p for p in _pending if ranks is None or p.ranks == ranks]
+    for pending in outstanding:
+        _settle(pending, wait=True)
+
+
+class SettledAfterCall:
+    """Around one compiled call: settle its check at the end if it has completed (a disagreement
+    raises before the outputs are returned), and explain a failing call by its check."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self, pending: PendingCheck | None) -> None:
+        self.pending = pending
+
+    def __enter__(self) -> "SettledAfterCall":
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> bool:
+        pending = self.pending
+        if pending is None:
+            return False
+        if error is None:
+            _settle(pending, wait=False)
+            return False
+        if not isinstance(error, Exception) or isinstance(error, (RankMismatchError, RankTimeoutError, PeerFailureError)):
+            return False
+        # The call's own collectives broke (a peer gave up, or mismatched messages): the check that
+        # went ahead of them says why, if it can.
+        if pending.timeout_message is not None and not pending.completed():
+            raise RankTimeoutError(pending.timeout_message) from error
+        try:
+            _settle(pending, wait=True, timeout=min(check_timeout_seconds(), 10.0))
+        except (RankMismatchError, RankTimeoutError, PeerFailureError) as found:
+            raise found from error
+        return False
+
+
+def _describe_through_store(pending: PendingCheck) -> list["CallDescription"]:
+    """Every rank's readable call, through the store (the group may be mid-collective or broken)."""
+    mine = pending.description()
+    store = _store()
+    if store is None:
+        return [mine]
+    prefix = f"{_STORE_PREFIX}check/{'-'.join(map(str, pending.ranks))}/{pending.call_index}/"
+    try:
+        store.set(prefix + str(mine.rank), pickle.dumps(mine))
+        keys = [prefix + str(r) for r in pending.ranks]
+        store.wait(keys, datetime.timedelta(seconds=min(check_timeout_seconds(), 60.0)))
+        return [pickle.loads(store.get(key)) for key in keys]
+    except Exception:  # noqa: BLE001 - a peer that cannot answer: describe what is known
+        return [mine]
+
+
+def _start_watchdog() -> None:
+    thread = threading.Thread(target=_watch, name="dcp-rank-check-watchdog", daemon=True)
+    _watchdog.append(thread)
+    thread.start()
+
+
+def _watch() -> None:
+    """Look at the outstanding checks now and then: one outstanding past the bounded wait gets its
+    whereabouts written (peers' errors then name this rank) and logged; one completed while its call
+    is still running (blocked in mismatched collectives?) is compared, and a disagreement logged."""
+    while True:
+        try:
+            timeout = check_timeout_seconds()
+        except ValueError:
+            timeout = DEFAULT_TIMEOUT_SECONDS
+        time.sleep(min(0.5, timeout / 4))
+        with _pending_lock:
+            outstanding = list(_pending)
+        now = time.monotonic()
+        for pending in outstanding:
+            if pending.settled or pending.error is not None:
+                continue
+            if pending.completed():
+                if now - pending.issued > 1.0:
+                    try:
+                        _settle(pending, wait=True, timeout=1.0)
+                    except Exception as error:  # noqa: BLE001 - kept for the call; said now in the log
+                        log.error("%s", error)
+                        _abort_if_nccl(pending)
+            elif pending.timeout_message is None and now - pending.issued > timeout:
+                pending.timeout_message = _timeout_message(pending.ranks, pending.where, timeout,
+                                                           "the check's all-gather did not complete")
+                log.error("%s", pending.timeout_message)
+                _abort_if_nccl(pending)
+
+
+def _abort_if_nccl(pending: PendingCheck) -> None:
+    """An NCCL group whose ranks disagree may hang on the device: abort it so the blocked call
+    fails (and raises the check's error) instead of waiting for NCCL's own timeout. Gloo cannot be
+    aborted mid-collective; there the peer giving up ends the wait."""
+    try:
+        if dist.get_backend(pending.group) == "nccl":
+            pending.group.abort()
+    except Exception:  # noqa: BLE001 - best effort: the error is logged either way
+        pass
 
 
 def _mismatch_message(described: list[CallDescription], graph_id: int) -> str:
@@ -232,6 +503,8 @@ def check_world_agrees(what: str, values: Sequence[int], labels: Sequence[str], 
     """
     if _skipped(group):
         return
+    if _pending:
+        settle_pending_checks()  # every SP-group check of the step, before the step's reduction
     if dist.get_world_size(group) == 1:
         return
     ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
