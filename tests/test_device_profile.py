@@ -13,6 +13,7 @@ import dcp_compile as dcp
 from dcp_compile.demo.example_models import TinyGPT
 from dcp_compile.device_profile import default_held_out_lengths
 from dcp_compile.device_profile.fake_world import ProfilingWorldError
+from dcp_compile.schedule.analytic import ScoreLayout
 from dcp_compile.schedule.measured_costs import MeasuredCosts, Measurement, fit_all, fit_variant, markdown_report
 from dcp_compile.variant import RecomputePolicy
 
@@ -51,6 +52,47 @@ def test_packed_rows_give_a_per_sequence_term_apart_from_the_fixed_one() -> None
     assert fit.seconds([30] * 30) == pytest.approx(seconds([30] * 30), rel=1e-3)
 
 
+def test_reference_kernel_computes_the_scores_the_cost_model_counts(monkeypatch) -> None:
+    """The CPU kernel picks a whole masked row or one range per sequence; the cost model's
+    DENSE_RANGES layout must count exactly the scores it computes, whichever it picks."""
+    from dcp_compile.kernels import varlen_attention_reference as reference
+    from dcp_compile.kernels.dense_ranges import dense_scores
+
+    computed: list[int] = []
+    original = reference._scores
+
+    def counting(q, k, scale, allowed):
+        computed.append(q.shape[0] * k.shape[0])
+        return original(q, k, scale, allowed)
+
+    monkeypatch.setattr(reference, "_scores", counting)
+    for lengths in ([128] * 4, [600, 40, 40], [300, 300], [64] * 16, [700], [500, 20]):
+        computed.clear()
+        q = torch.randn(sum(lengths), 2, 8)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        reference.attention_forward(q, q, q, cu, causal=True, scale=0.3)
+        assert sum(computed) == dense_scores(lengths), lengths
+    assert dense_scores([128] * 4) == 512**2 and dense_scores([64] * 16) == 16 * 64**2
+
+
+def test_a_whole_row_kernel_is_fitted_only_by_counting_its_scores() -> None:
+    """Packed rows priced by a kernel that computes the whole row: per-sequence token-keys cannot
+    fit them, the kernel's own count fits them exactly."""
+    from dcp_compile.kernels.dense_ranges import dense_scores
+    from dcp_compile.schedule.analytic import ScoreLayout
+
+    def seconds(lengths):
+        return 1e-3 + 4e-6 * sum(lengths) + 2e-8 * dense_scores(lengths) + 5e-4 * (len(lengths) - 1)
+
+    rows = [(n,) for n in (64, 128, 256, 512, 1024)] + [(128,) * 4, (256,) * 4, (64,) * 16]
+    points = [Measurement(row, 1, "none", seconds(row)) for row in rows]
+    counted = fit_variant(points, ScoreLayout.DENSE_RANGES)
+    assert counted.per_token_key == pytest.approx(2e-8, rel=1e-3)
+    assert counted.seconds([100] * 5) == pytest.approx(seconds([100] * 5), rel=1e-3)
+    per_sequence = fit_variant(points)
+    assert abs(per_sequence.seconds([100] * 5) / seconds([100] * 5) - 1) > 0.25
+
+
 def test_fit_refuses_mixed_variants_and_drops_the_quadratic_with_two_lengths() -> None:
     with pytest.raises(ValueError, match="one variant at a time"):
         fit_variant([Measurement((64,), 1, "none", 1.0), Measurement((64,), 2, "none", 1.0)])
@@ -70,11 +112,11 @@ def test_held_out_lengths_are_between_and_past_the_fitted_ones() -> None:
 
 
 # --------------------------------------------------------------------------- the cost model it makes
-def _synthetic_measured() -> MeasuredCosts:
+def _synthetic_measured(layout: ScoreLayout = ScoreLayout.PER_SEQUENCE) -> MeasuredCosts:
     points = [Measurement((n,), sp, policy, 1e-3 + 4e-6 * n / sp + 2e-9 * n * n / sp)
               for sp in (1, 2) for policy in ("none", "full") for n in (128, 256, 512, 1024)]
-    return MeasuredCosts(device="test device", software={"torch": torch.__version__}, fits=fit_all(points),
-                         measurements=tuple(points))
+    return MeasuredCosts(device="test device", software={"torch": torch.__version__}, fits=fit_all(points, layout),
+                         measurements=tuple(points), score_layout=layout)
 
 
 def test_measured_variants_plan_with_measured_compute_plus_modelled_communication() -> None:
@@ -96,12 +138,15 @@ def test_measured_variants_plan_with_measured_compute_plus_modelled_communicatio
 
 def test_measured_cost_model_round_trips_through_json(tmp_path) -> None:
     profile = dcp.ModelProfile.transformer("t", num_layers=2, hidden_size=64, num_heads=4, vocab_size=VOCAB)
-    model = dcp.CostModel(profile, dcp.Hardware.this_cpu(), measured=_synthetic_measured())
+    model = dcp.CostModel(profile, dcp.Hardware.this_cpu(), measured=_synthetic_measured(ScoreLayout.DENSE_RANGES))
     model.save(tmp_path / "cost.json")
     loaded = dcp.CostModel.load(tmp_path / "cost.json")
     assert loaded.measured == model.measured
+    assert loaded.score_layout == model.score_layout == ScoreLayout.DENSE_RANGES
     for sp in (1, 2, 4):
         assert loaded.time([300, 200], sp, "full") == pytest.approx(model.time([300, 200], sp, "full"))
+    # A short packed row is one masked pass on the CPU: priced as 500^2 scores, not 300^2 + 200^2.
+    assert model.time([300, 200], 1) == pytest.approx(model.time([500], 1) + model.time_coefficients(1, "none").per_sequence)
     assert "test device" in markdown_report(loaded.measured)
 
 

@@ -337,6 +337,44 @@ class StepResult:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class MicroBatchTiming:
+    """One micro-batch on one rank: what it took and what the cost model said at the probed speed,
+    so a miss can be traced to a kind of micro-batch (SP size, recompute, sequences per row)."""
+
+    schedule: str  # "dcp" or "static"
+    rank: int
+    sp_size: int
+    recompute: str
+    sequences: int
+    tokens: int
+    measured: float
+    predicted: float
+
+
+SEQUENCE_BINS = ((1, 1), (2, 8), (9, 32), (33, 10**9))
+
+
+def prediction_by_kind(timings: Sequence[MicroBatchTiming]) -> list[str]:
+    """A table of measured vs predicted time summed over each kind of micro-batch (all steps)."""
+    groups: dict[tuple, list[MicroBatchTiming]] = {}
+    for timing in timings:
+        bin_ = next(b for b in SEQUENCE_BINS if b[0] <= timing.sequences <= b[1])
+        groups.setdefault((timing.schedule, timing.sp_size, timing.recompute, bin_), []).append(timing)
+    lines = ["Where the prediction misses (each rank's micro-batches, forward + backward, summed over the steps; "
+             "predicted at the probed speed):",
+             f"  {'schedule':<8} {'SP':>2} {'recompute':<10} {'sequences':>9} {'count':>5} {'tokens':>8} "
+             f"{'measured s':>10} {'predicted s':>11} {'error':>6}"]
+    for (schedule, sp_size, recompute, (low, high)), members in sorted(groups.items()):
+        measured = sum(t.measured for t in members)
+        predicted = sum(t.predicted for t in members)
+        label = str(low) if low == high else (f"{low}+" if high >= 10**9 else f"{low}-{high}")
+        lines.append(f"  {schedule:<8} {sp_size:>2} {recompute:<10} {label:>9} {len(members):>5} "
+                     f"{sum(t.tokens for t in members):>8,} {measured:>10.3f} {predicted:>11.3f} "
+                     f"{100 * (predicted / measured - 1) if measured > 0 else math.nan:>+5.0f}%")
+    return lines
+
+
 def static_microbatches(step_indices: Sequence[int], lengths: Sequence[int], capacity: int,
                         world_size: int, variant: dcp.Variant) -> list[dcp.MicroBatch]:
     """Static SP's own micro-batches for a step: its samples in arrival order, packed up to
@@ -372,23 +410,27 @@ def padding_fraction(microbatches: Sequence[dcp.MicroBatch]) -> float:
 
 
 def run_step(compiled, model, optimizer, dataset, work: Sequence[tuple[dcp.MicroBatch, dcp.Variant, bool]],
-             device: torch.device) -> tuple[float, float, float]:
+             device: torch.device, durations: list[float] | None = None) -> tuple[float, float, float]:
     """One optimizer step over ``work`` = this rank's (micro-batch, variant, counts its loss) list.
 
     Returns (elapsed, busy, this rank's share of the step loss). The step loss is the sum over
     micro-batches of ``loss * loss_scale``, counted by one rank of each micro-batch's group. The
     micro-batches are packed before the clock starts, as a ``DataLoader``'s workers would have
     them ready: what is timed is what the cost model prices (the compiled forward and backward).
+    ``durations`` (CPU only, where every op is done when it returns) gets each micro-batch's time.
     """
     batches = [pack(dataset, mb.indices, device) for mb, _, _ in work]
     _barrier()
     start = time.perf_counter()
     counted = []
     for (mb, variant, counts), batch in zip(work, batches):
+        began = time.perf_counter()
         loss = packed_loss(compiled, variant, batch) * mb.loss_scale
         loss.backward()
         if counts:
             counted.append(loss.detach())
+        if durations is not None:
+            durations.append(time.perf_counter() - began)
     _synchronize(device)
     busy = time.perf_counter() - start
     loss_share = float(sum(counted)) if counted else 0.0
@@ -480,6 +522,7 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
     silent = cost_model.without_communication()
     all_dcp: list[dcp.MicroBatch] = []
     all_static: list[dcp.MicroBatch] = []
+    timings: list[MicroBatchTiming] = []
     say("")
     say(f"=== training: each step runs twice from its own weights, with the DCP plan (SP size and recompute per "
         f"micro-batch) and with static SP (one setup for every micro-batch, chosen so the longest sample fits: SP "
@@ -504,7 +547,15 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
         lines = {}
         for name in (("dcp", "static") if step.step % 2 == 0 else ("static", "dcp")):
             model.load_state_dict(weights[name])
-            elapsed, busy, share = run_step(compiled, model, optimizers[name], dataset, runs[name], device)
+            durations: list[float] | None = [] if device.type == "cpu" else None
+            elapsed, busy, share = run_step(compiled, model, optimizers[name], dataset, runs[name], device, durations)
+            for (mb, variant, _), duration in zip(runs[name], durations or ()):
+                sample_lengths = [lengths[i] for i in mb.indices]
+                compute = silent.time(sample_lengths, variant.sp_size, variant.recompute)
+                communication = cost_model.time(sample_lengths, variant.sp_size, variant.recompute) - compute
+                timings.append(MicroBatchTiming(
+                    name, rank, variant.sp_size, str(variant.recompute), len(mb.indices), mb.tokens, duration,
+                    speed.compute * compute + speed.communication * communication))
             weights[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             seconds, busy_all, loss = _gather_step(elapsed, busy, share, device)
             if name == "dcp":
@@ -536,8 +587,15 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
 
     mechanisms = mechanism_lines(cost_model, all_dcp, all_static, lengths, world_size, static_policy)
     summary = summarize(dcp_results, static_results, world_size, mechanisms)
+    if distributed:
+        every_rank: list = [None] * world_size
+        dist.all_gather_object(every_rank, timings)
+        timings = [timing for ranks_timings in every_rank for timing in ranks_timings]
     say("")
     say(summary["table"])
+    if timings:
+        say("")
+        say("\n".join(prediction_by_kind(timings)))
     return {
         "world_size": world_size,
         "compile_seconds": compile_seconds,
@@ -549,6 +607,7 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
         "paired_speedup": summary["paired_speedup"],
         "prediction_errors": summary["prediction_errors"],
         "static_policy": static_policy.value,
+        "microbatch_timings": [t.__dict__ for t in timings],
     }
 
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from dcp_compile.compiler.variant_selection import use
+from dcp_compile.schedule.analytic import ScoreLayout
 from dcp_compile.schedule.cost_model import CostModel
 from dcp_compile.schedule.hardware import Hardware
 from dcp_compile.schedule.measured_costs import MeasuredCosts, Measurement, fit_all, held_out_errors
@@ -149,7 +150,8 @@ def profile(
                             max(peaks) if peaks else None)
         (kept_out if row in held_rows else fitted).append(point)
 
-    fits = fit_all(fitted)
+    layout = score_layout_on(device) if packed else ScoreLayout.PER_SEQUENCE
+    fits = fit_all(fitted, layout)
     notes = [
         f"per-rank work of each variant timed on one device on a fake {max(sizes)}-rank process group: "
         "collectives move no data, so these are compute times; the cost model adds modelled communication",
@@ -161,6 +163,7 @@ def profile(
     measured = MeasuredCosts(
         device=device_name(device), software=software_versions(device), fits=fits, measurements=tuple(fitted),
         held_out=held_out_errors(fits, kept_out), memory_measured=device.type == "cuda", notes=tuple(notes),
+        score_layout=layout,
     )
     cost_model = CostModel(prior, hardware, optimizer_shards=optimizer_shards, measured=measured)
     summary = measured.held_out_summary()
@@ -201,6 +204,15 @@ def scalar_loss(output: Any) -> torch.Tensor:
         return output if output.numel() == 1 else output.float().mean()
     raise TypeError(f"dcp.profile: cannot find a loss in the model's output ({type(output).__name__}); "
                     "pass loss=lambda output: ... returning a scalar tensor")
+
+
+def score_layout_on(device: torch.device) -> ScoreLayout:
+    """The scores a packed row costs on ``device``: the torch reference kernel (the CPU's) may
+    compute a whole row at once; the Triton kernel computes each sequence's own."""
+    from dcp_compile.kernels import kernel_backend
+
+    reference = kernel_backend(torch.empty(0, device=device)) == "torch"
+    return ScoreLayout.DENSE_RANGES if reference else ScoreLayout.PER_SEQUENCE
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

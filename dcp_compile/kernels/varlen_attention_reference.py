@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from dcp_compile.kernels.dense_ranges import dense_ranges
+
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -26,17 +28,9 @@ def _bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _ranges(cu_seqlens: torch.Tensor, total: int) -> tuple[list[tuple[int, int]], bool]:
-    """The token ranges to compute densely, and whether that is the whole row at once.
-
-    A Python loop over many short sequences costs more in per-op overhead than their attention;
-    when the row's ``T^2`` scores are within 2x of the sequences' ``sum L^2`` (or the row is
-    short), one pass over the row with a block-diagonal mask does the same math faster.
-    """
-    bounds = [(start, end) for start, end in _bounds(cu_seqlens) if end > start]
-    squares = sum((end - start) ** 2 for start, end in bounds)
-    if len(bounds) > 1 and (total <= 512 or total * total <= 2 * squares):
-        return [(0, total)], True
-    return bounds, False
+    """The token ranges to compute densely, and whether that is the whole row at once (the rule,
+    shared with the cost model, is :func:`~dcp_compile.kernels.dense_ranges.dense_ranges`)."""
+    return dense_ranges(_bounds(cu_seqlens), total)
 
 
 def _allowed(cu_seqlens: torch.Tensor | None, length: int, causal: bool, device: torch.device) -> torch.Tensor | None:

@@ -16,6 +16,7 @@ keeps no quadratic buffer). The terms here are peak-rate seconds, before the sca
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Sequence
 
 from dcp_compile.variant import RecomputePolicy
@@ -82,15 +83,33 @@ class MemoryCoefficients:
         return self.fixed_bytes + self.bytes_per_token * tokens
 
 
-def token_sums(lengths: Sequence[int], spans: Sequence[float] | None) -> tuple[int, float]:
-    """(tokens, token-keys) of a micro-batch: ``sum(lengths)`` and ``sum(length * span)``."""
+class ScoreLayout(Enum):
+    """Which attention scores a packed micro-batch computes: what its token-keys count.
+
+    The model prices attention per score computed, so it must count the scores the kernel that
+    runs computes. GPU kernels (and the analytic model) compute each sequence's own ``L x span``;
+    the CPU reference kernel sometimes computes the whole row's ``T x T`` in one masked pass
+    (:mod:`dcp_compile.kernels.dense_ranges`), and a packed row's cost then follows ``T^2``."""
+
+    PER_SEQUENCE = "per_sequence"
+    DENSE_RANGES = "dense_ranges"
+
+
+def token_sums(lengths: Sequence[int], spans: Sequence[float] | None,
+               layout: ScoreLayout = ScoreLayout.PER_SEQUENCE) -> tuple[int, float]:
+    """(tokens, token-keys) of a micro-batch: ``sum(lengths)`` and ``sum(length * span)`` (spans
+    given), or the scores ``layout`` computes (``sum(length^2)`` per sequence)."""
     tokens = sum(lengths)
-    if spans is None:
-        token_keys = float(sum(length * length for length in lengths))
-    else:
+    if spans is not None:
         if len(spans) != len(lengths):
             raise ValueError(f"got {len(spans)} spans for {len(lengths)} lengths; give one span per sequence")
         token_keys = float(sum(length * span for length, span in zip(lengths, spans)))
+    elif layout is ScoreLayout.DENSE_RANGES:
+        from dcp_compile.kernels.dense_ranges import dense_scores
+
+        token_keys = dense_scores(lengths)
+    else:
+        token_keys = float(sum(length * length for length in lengths))
     return tokens, token_keys
 
 

@@ -53,6 +53,7 @@ from .analytic import (
     FLASH_BACKWARD_FLOP_RATIO,
     GiB,
     MemoryCoefficients,
+    ScoreLayout,
     TimeCoefficients,
     context_seconds_per_sequence,
     memory_coefficients,
@@ -107,6 +108,12 @@ class CostModel:
         object.__setattr__(self, "scales", {**DEFAULT_SCALES, **self.scales})
         if self.optimizer_shards < 1:
             raise ValueError(f"optimizer_shards must be >= 1, got {self.optimizer_shards}")
+
+    @property
+    def score_layout(self) -> ScoreLayout:
+        """What a packed micro-batch's token-keys count: the measured device's attention kernel's
+        scores (the CPU reference kernel may compute a whole row), else each sequence's own."""
+        return self.measured.score_layout if self.measured is not None else ScoreLayout.PER_SEQUENCE
 
     def __hash__(self) -> int:  # identity hash: used as a cache key by the planner
         return id(self)
@@ -163,7 +170,7 @@ class CostModel:
         spans: Sequence[float] | None = None,
     ) -> dict[str, float]:
         """Scaled seconds per term for one micro-batch."""
-        tokens, token_keys = token_sums(lengths, spans)
+        tokens, token_keys = token_sums(lengths, spans, self.score_layout)
         raw = self.raw_term_coefficients(sp_size, recompute)
         out = {
             term: self.scales[term] * (c[0] + c[1] * tokens + c[2] * token_keys) if tokens else 0.0
@@ -182,7 +189,7 @@ class CostModel:
     ) -> float:
         """Seconds of one forward + backward of a micro-batch packing ``lengths`` on ``sp_size``
         ranks (every rank of the group takes this long); 0 for an empty micro-batch."""
-        tokens, token_keys = token_sums(lengths, spans)
+        tokens, token_keys = token_sums(lengths, spans, self.score_layout)
         if not tokens:
             return 0.0
         return self.time_coefficients(sp_size, recompute).time(tokens, token_keys, len(lengths))

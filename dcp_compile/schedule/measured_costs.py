@@ -25,7 +25,7 @@ import numpy as np
 
 from dcp_compile.variant import RecomputePolicy
 
-from .analytic import MemoryCoefficients, token_sums
+from .analytic import MemoryCoefficients, ScoreLayout, token_sums
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,8 @@ class Measurement:
     def tokens(self) -> int:
         return sum(self.lengths)
 
-    @property
-    def token_keys(self) -> float:
-        return token_sums(self.lengths, None)[1]
+    def token_keys(self, layout: ScoreLayout = ScoreLayout.PER_SEQUENCE) -> float:
+        return token_sums(self.lengths, None, layout)[1]
 
     @property
     def spread(self) -> float:
@@ -76,12 +75,14 @@ class VariantFit:
     per_sequence: float | None = None  # measured where micro-batches of several sequences were timed
     activation_fixed_bytes: float | None = None
     activation_bytes_per_token: float | None = None
+    score_layout: ScoreLayout = ScoreLayout.PER_SEQUENCE  # what the token-keys counted when fitted
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", RecomputePolicy.parse(self.recompute))
+        object.__setattr__(self, "score_layout", ScoreLayout(self.score_layout))
 
     def seconds(self, lengths: Sequence[int]) -> float:
-        tokens, token_keys = token_sums(lengths, None)
+        tokens, token_keys = token_sums(lengths, None, self.score_layout)
         return (self.fixed + self.per_token * tokens + self.per_token_key * token_keys
                 + (self.per_sequence or 0.0) * len(lengths))
 
@@ -114,6 +115,10 @@ class MeasuredCosts:
     held_out: tuple[HeldOut, ...] = ()
     memory_measured: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
+    score_layout: ScoreLayout = ScoreLayout.PER_SEQUENCE  # the attention kernel's, on this device
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "score_layout", ScoreLayout(self.score_layout))
 
     def fit_for(self, sp_size: int, recompute: RecomputePolicy | str) -> VariantFit | None:
         recompute = RecomputePolicy.parse(recompute)
@@ -148,6 +153,7 @@ class MeasuredCosts:
             "software": dict(self.software),
             "memory_measured": self.memory_measured,
             "notes": list(self.notes),
+            "score_layout": self.score_layout.value,
             "fits": [_plain(asdict(f)) for f in self.fits],
             "measurements": [_plain(asdict(m)) for m in self.measurements],
             "held_out": [{"measurement": _plain(asdict(h.measurement)), "predicted": h.predicted} for h in self.held_out],
@@ -166,14 +172,15 @@ class MeasuredCosts:
             held_out=tuple(HeldOut(measurement(h["measurement"]), float(h["predicted"])) for h in data.get("held_out", ())),
             memory_measured=bool(data.get("memory_measured", False)),
             notes=tuple(data.get("notes", ())),
+            score_layout=ScoreLayout(data.get("score_layout", ScoreLayout.PER_SEQUENCE.value)),
         )
 
 
 def _plain(data: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v.value if isinstance(v, RecomputePolicy) else list(v) if isinstance(v, tuple) else v) for k, v in data.items()}
+    return {k: (v.value if isinstance(v, (RecomputePolicy, ScoreLayout)) else list(v) if isinstance(v, tuple) else v) for k, v in data.items()}
 
 
-def fit_variant(points: Sequence[Measurement]) -> VariantFit:
+def fit_variant(points: Sequence[Measurement], layout: ScoreLayout = ScoreLayout.PER_SEQUENCE) -> VariantFit:
     """Fit ``fixed + per_token * tokens + per_token_key * token_keys`` to one variant's points.
 
     Non-negative least squares on relative errors (each row divided by its measured seconds);
@@ -192,7 +199,7 @@ def fit_variant(points: Sequence[Measurement]) -> VariantFit:
     columns = [0, 1, 2] if distinct >= 3 else [0, 1]
     if len({len(p.lengths) for p in points}) > 1:
         columns.append(3)
-    rows = [[1.0, p.tokens, p.token_keys, len(p.lengths)] for p in points]
+    rows = [[1.0, p.tokens, p.token_keys(layout), len(p.lengths)] for p in points]
     matrix = np.asarray(rows)[:, columns] / np.asarray([[p.seconds] for p in points])
     solution = dict(zip(columns, _non_negative_least_squares(matrix, np.ones(len(points)))))
     fixed, per_token = float(solution[0]), float(solution[1])
@@ -208,6 +215,7 @@ def fit_variant(points: Sequence[Measurement]) -> VariantFit:
         sp_size=first.sp_size, recompute=first.recompute, fixed=fixed, per_token=per_token,
         per_token_key=per_token_key, max_tokens=max(p.tokens for p in points), per_sequence=per_sequence,
         activation_fixed_bytes=activation_fixed, activation_bytes_per_token=activation_per_token,
+        score_layout=layout,
     )
 
 
@@ -220,13 +228,13 @@ def _non_negative_least_squares(matrix: np.ndarray, targets: np.ndarray) -> np.n
     return np.maximum(result.x, 0.0) / norms
 
 
-def fit_all(points: Iterable[Measurement]) -> tuple[VariantFit, ...]:
+def fit_all(points: Iterable[Measurement], layout: ScoreLayout = ScoreLayout.PER_SEQUENCE) -> tuple[VariantFit, ...]:
     """One :class:`VariantFit` per variant present in ``points``, ordered by (SP size, policy)."""
     by_variant: dict[tuple[int, RecomputePolicy], list[Measurement]] = {}
     for point in points:
         by_variant.setdefault((point.sp_size, point.recompute), []).append(point)
     order = {policy: i for i, policy in enumerate(RecomputePolicy)}
-    return tuple(fit_variant(by_variant[key]) for key in sorted(by_variant, key=lambda k: (k[0], order[k[1]])))
+    return tuple(fit_variant(by_variant[key], layout) for key in sorted(by_variant, key=lambda k: (k[0], order[k[1]])))
 
 
 def held_out_errors(fits: Sequence[VariantFit], points: Iterable[Measurement]) -> tuple[HeldOut, ...]:
@@ -258,11 +266,12 @@ def slowest_of(profiles: Sequence[MeasuredCosts]) -> MeasuredCosts:
 
     fitted = merged(p.measurements for p in profiles)
     kept_out = merged([h.measurement for h in p.held_out] for p in profiles)
-    fits = fit_all(fitted)
     first = profiles[0]
+    fits = fit_all(fitted, first.score_layout)
     notes = (*first.notes, f"each point the slowest of {len(profiles)} processes measuring at once")
     return MeasuredCosts(device=first.device, software=first.software, fits=fits, measurements=tuple(fitted),
-                         held_out=held_out_errors(fits, kept_out), memory_measured=first.memory_measured, notes=notes)
+                         held_out=held_out_errors(fits, kept_out), memory_measured=first.memory_measured, notes=notes,
+                         score_layout=first.score_layout)
 
 
 def markdown_report(costs: MeasuredCosts, title: str = "Profiled cost model") -> str:

@@ -1,0 +1,34 @@
+"""Which token ranges of a packed row the CPU varlen attention computes densely.
+
+One rule, read by two parties: the reference kernel (:mod:`.varlen_attention_reference`), which
+runs it, and the cost model, which must count the scores the kernel really computes. A Python loop
+over many short sequences costs more in per-op overhead than their attention, so when the row's
+``T^2`` scores are within 2x of the sequences' ``sum L^2`` (or the row is short) the kernel makes
+one masked pass over the whole row: then it computes ``T^2`` scores, not ``sum L^2``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+WHOLE_ROW_TOKENS = 512  # rows this short are always computed in one masked pass
+
+
+def dense_ranges(bounds: Sequence[tuple[int, int]], total: int) -> tuple[list[tuple[int, int]], bool]:
+    """The ranges to compute densely for sequences at ``bounds`` in a row of ``total`` tokens, and
+    whether that is the whole row at once."""
+    bounds = [(start, end) for start, end in bounds if end > start]
+    squares = sum((end - start) ** 2 for start, end in bounds)
+    if len(bounds) > 1 and (total <= WHOLE_ROW_TOKENS or total * total <= 2 * squares):
+        return [(0, total)], True
+    return list(bounds), False
+
+
+def dense_scores(lengths: Sequence[int]) -> float:
+    """Scores per head the kernel computes for a row packing ``lengths`` (masked ones included)."""
+    bounds, start = [], 0
+    for length in lengths:
+        bounds.append((start, start + int(length)))
+        start += int(length)
+    ranges, _ = dense_ranges(bounds, start)
+    return float(sum((end - begin) ** 2 for begin, end in ranges))
