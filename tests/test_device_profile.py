@@ -93,6 +93,20 @@ def test_a_whole_row_kernel_is_fitted_only_by_counting_its_scores() -> None:
     assert abs(per_sequence.seconds([100] * 5) / seconds([100] * 5) - 1) > 0.25
 
 
+def test_a_recompute_policy_is_fitted_as_no_recompute_plus_extra_work() -> None:
+    """Noise that makes recompute look cheaper per token than no recompute (a loaded machine) must
+    not price it below no recompute anywhere: the planner would then choose recompute for speed."""
+    none = [Measurement((n,), 1, "none", 2e-3 + 6e-6 * n) for n in (64, 256, 1024)]
+    noisy_full = [Measurement((64,), 1, "full", 5e-3), Measurement((256,), 1, "full", 3.5e-3 + 6e-6 * 256),
+                  Measurement((1024,), 1, "full", 2.5e-3 + 5.5e-6 * 1024)]
+    free = fit_variant(noisy_full)
+    lengths = (16, 64, 300, 1024, 2048, 8192)
+    assert any(free.seconds([n]) < fit_variant(none).seconds([n]) for n in lengths)  # what a free fit says
+    fits = {fit.recompute: fit for fit in fit_all(none + noisy_full)}
+    for n in lengths:
+        assert fits[RecomputePolicy.FULL].seconds([n]) >= fits[RecomputePolicy.NONE].seconds([n])
+
+
 def test_fit_refuses_mixed_variants_and_drops_the_quadratic_with_two_lengths() -> None:
     with pytest.raises(ValueError, match="one variant at a time"):
         fit_variant([Measurement((64,), 1, "none", 1.0), Measurement((64,), 2, "none", 1.0)])

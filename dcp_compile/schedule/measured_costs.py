@@ -180,7 +180,8 @@ def _plain(data: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.value if isinstance(v, (RecomputePolicy, ScoreLayout)) else list(v) if isinstance(v, tuple) else v) for k, v in data.items()}
 
 
-def fit_variant(points: Sequence[Measurement], layout: ScoreLayout = ScoreLayout.PER_SEQUENCE) -> VariantFit:
+def fit_variant(points: Sequence[Measurement], layout: ScoreLayout = ScoreLayout.PER_SEQUENCE,
+                base: VariantFit | None = None) -> VariantFit:
     """Fit ``fixed + per_token * tokens + per_token_key * token_keys`` to one variant's points.
 
     Non-negative least squares on relative errors (each row divided by its measured seconds);
@@ -189,7 +190,11 @@ def fit_variant(points: Sequence[Measurement], layout: ScoreLayout = ScoreLayout
     term is dropped (a straight line through what there is). Where some points pack several
     sequences (``packed`` profiles), a fourth term, ``per_sequence * sequences``, is fitted too;
     rows of few long and of many short sequences (:func:`~dcp_compile.device_profile.runner.packed_rows`)
-    tell it apart from the per-token and the fixed terms."""
+    tell it apart from the per-token and the fixed terms.
+
+    ``base``: the same SP size without recompute. Recomputing runs part of the forward again and
+    removes no work, so a recompute policy is fitted as ``base`` plus non-negative extra terms: on a
+    noisy machine a free fit can otherwise price recompute below no recompute and steer plans into it."""
     if not points:
         raise ValueError("fit_variant needs at least one measurement")
     first = points[0]
@@ -201,10 +206,16 @@ def fit_variant(points: Sequence[Measurement], layout: ScoreLayout = ScoreLayout
         columns.append(3)
     rows = [[1.0, p.tokens, p.token_keys(layout), len(p.lengths)] for p in points]
     matrix = np.asarray(rows)[:, columns] / np.asarray([[p.seconds] for p in points])
-    solution = dict(zip(columns, _non_negative_least_squares(matrix, np.ones(len(points)))))
-    fixed, per_token = float(solution[0]), float(solution[1])
-    per_token_key = float(solution.get(2, 0.0))
-    per_sequence = float(solution[3]) if 3 in solution else None
+    start = [0.0, 0.0, 0.0, 0.0]
+    if base is not None:
+        start = [base.fixed, base.per_token, base.per_token_key, base.per_sequence or 0.0]
+    # Relative residual of base + extra: (base(x) + extra . x) / y - 1, solved for extra >= 0.
+    targets = np.asarray([1.0 - sum(start[c] * row[c] for c in columns) / p.seconds for row, p in zip(rows, points)])
+    extra = dict(zip(columns, _non_negative_least_squares(matrix, targets)))
+    coefficient = {c: start[c] + float(extra.get(c, 0.0)) for c in range(4)}
+    fixed, per_token = coefficient[0], coefficient[1]
+    per_token_key = coefficient[2] if 2 in columns else 0.0
+    per_sequence = coefficient[3] if 3 in columns else None
     memory = [p for p in points if p.peak_bytes is not None]
     activation_fixed = activation_per_token = None
     if len(memory) >= 2 and len({p.tokens for p in memory}) >= 2:
@@ -234,7 +245,11 @@ def fit_all(points: Iterable[Measurement], layout: ScoreLayout = ScoreLayout.PER
     for point in points:
         by_variant.setdefault((point.sp_size, point.recompute), []).append(point)
     order = {policy: i for i, policy in enumerate(RecomputePolicy)}
-    return tuple(fit_variant(by_variant[key], layout) for key in sorted(by_variant, key=lambda k: (k[0], order[k[1]])))
+    fits: list[VariantFit] = []
+    for key in sorted(by_variant, key=lambda k: (k[0], order[k[1]])):  # NONE first in each SP size
+        base = next((f for f in fits if f.sp_size == key[0] and f.recompute == RecomputePolicy.NONE), None)
+        fits.append(fit_variant(by_variant[key], layout, base if key[1] != RecomputePolicy.NONE else None))
+    return tuple(fits)
 
 
 def held_out_errors(fits: Sequence[VariantFit], points: Iterable[Measurement]) -> tuple[HeldOut, ...]:
