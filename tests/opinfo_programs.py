@@ -47,6 +47,7 @@ class OpCase:
     sample: tuple[Any, tuple, dict]  # (input, args, kwargs), tensors detached
     dim: int
     varied: tuple[int, ...]  # pytree leaf positions of the tensors carried on the sequence
+    backward: bool = True  # the op's backward runs (else only its outputs are compared)
 
     def label(self) -> str:
         return f"{self.name} (dim {self.dim} of {self.shape()})"
@@ -103,15 +104,26 @@ def _is_random(op: Any, sample: Any) -> bool:
                for a, b in zip(*outputs))
 
 
-def _works(op: Any, sample: Any, varied: tuple[int, ...], dim: int) -> bool:
+def _works(op: Any, sample: Any, varied: tuple[int, ...], dim: int) -> tuple[bool, bool]:
+    """Whether the op runs with ``varied`` at other sizes along ``dim`` (and returns a tensor), and
+    whether its backward runs from them too (some ops have no derivative, or none for an argument)."""
     try:
         for n in LENGTHS:
-            outputs = _tensors(_call(op, _varied_sample(sample, varied, dim, n)))
-            if not outputs:
-                return False
+            if not _tensors(_call(op, _varied_sample(sample, varied, dim, n))):
+                return False, False
     except Exception:
-        return False
-    return True
+        return False, False
+    try:
+        leaves, spec = tree_flatten(_varied_sample(sample, varied, dim, LENGTHS[0]))
+        for i in varied:
+            leaves[i] = leaves[i].clone().requires_grad_(True)
+        outputs = [o for o in _tensors(_call(op, tree_unflatten(leaves, spec))) if o.requires_grad]
+        if not outputs:
+            return True, False
+        sum(o.nan_to_num().sum() for o in outputs).backward()
+    except Exception:
+        return True, False
+    return True, True
 
 
 def _compile_alone(cases: list[OpCase]) -> list[str]:
@@ -225,10 +237,11 @@ def select_cases(names: list[str] | None = None, per_op: int = 1,
             for dim in dims:
                 if any(c.dim == dim for c in found):
                     continue
-                for varied in (same_shape, (floats[0],)):
-                    if _works(op, sample, varied, dim):
-                        found.append(OpCase(index, name, sample, dim, varied))
-                        break
+                tried = {varied: _works(op, sample, varied, dim) for varied in dict.fromkeys((same_shape, (floats[0],)))}
+                # the first choice whose backward runs, else the first whose forward does
+                ranked = [v for v, (fwd, bwd) in tried.items() if bwd] + [v for v, (fwd, _) in tried.items() if fwd]
+                if ranked:
+                    found.append(OpCase(index, name, sample, dim, ranked[0], tried[ranked[0]][1]))
                 if len(found) >= per_op:
                     break
             if len(found) >= per_op:
@@ -293,7 +306,9 @@ class CaseModule(nn.Module):
                 leaves.append(self.constants[i])
             elif i in carried:
                 j = carried[i]
-                leaves.append(self.carry(h, bases[j], j))
+                carried_tensor = self.carry(h, bases[j], j)
+                # an op without a derivative runs forward only (no backward to trace through it)
+                leaves.append(carried_tensor if self.case.backward else carried_tensor.detach())
             else:
                 leaves.append(getattr(self, f"fixed_{i}"))
         inp, args, kwargs = tree_unflatten(leaves, self.spec)
@@ -308,6 +323,7 @@ class SweepModel(nn.Module):
         self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
         self.cases = nn.ModuleList(CaseModule(case, op) for case, op in zip(cases, ops))
         self.bases_per_case = [len(case.varied) for case in cases]
+        self.case_list = list(cases)
 
     def forward(self, x: torch.Tensor, *bases: torch.Tensor) -> Any:
         b, n, _ = x.shape
@@ -330,10 +346,12 @@ def _inputs(cases: list[OpCase], n: int) -> list[torch.Tensor]:
     return [x, *bases]
 
 
-def _loss(outputs: Any) -> torch.Tensor:
+def _loss(outputs: Any, cases: list[OpCase]) -> torch.Tensor:
     """A fixed weighting of every float output (linear, so a large output cannot swamp the rest)."""
     loss = torch.zeros(())
-    for case_outputs in outputs:
+    for case_outputs, case in zip(outputs, cases):
+        if not case.backward:
+            continue
         for out in case_outputs:
             if out.requires_grad and out.dtype.is_floating_point:
                 weights = torch.linspace(-1.0, 1.0, out.numel()).reshape(out.shape)
@@ -344,7 +362,7 @@ def _loss(outputs: Any) -> torch.Tensor:
 def _run(model: SweepModel, call: Any, inputs: list[torch.Tensor], reduce: bool) -> tuple[Any, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     outputs = call(*inputs)
-    loss = _loss(outputs)
+    loss = _loss(outputs, model.case_list)
     if loss.requires_grad:
         loss.backward()
     grads = {}
@@ -434,7 +452,9 @@ def check_batch(cases: list[OpCase]) -> list[Outcome]:
         if problems[i]:
             outcomes.append(Outcome(case.name, case.label(), "WRONG", "; ".join(problems[i][:3])))
         elif replicated:
-            outcomes.append(Outcome(case.name, case.label(), "replicated", replicated[0]))
+            outcomes.append(Outcome(case.name, case.label(), "replicated",
+                                    "dynamo split the model here and the op's graph has no attention, so it runs "
+                                    f"replicated: {replicated[0]}" if "no attention" in replicated[0] else replicated[0]))
         elif gathers[i]:
             outcomes.append(Outcome(case.name, case.label(), "gathered", gathers[i][0], sorted(set(gathers[i]))))
         else:
@@ -443,6 +463,22 @@ def check_batch(cases: list[OpCase]) -> list[Outcome]:
         for outcome in outcomes:
             outcome.detail += f" [batch: {'; '.join(sorted(set(unattributed))[:2])}]"
     return outcomes
+
+
+def _eager_error(case: OpCase) -> str:
+    """Why the harness' model of ``case`` raises in eager (its perturbed values out of the op's domain,
+    say), or "" where eager runs: then a raise is dcp's."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = SweepModel([case], [op_db[case.index]])
+    try:
+        for n in LENGTHS:
+            _run(model, model, _inputs([case], n), reduce=False)
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    return ""
 
 
 def check_cases(cases: list[OpCase]) -> list[Outcome]:
@@ -454,6 +490,9 @@ def check_cases(cases: list[OpCase]) -> list[Outcome]:
             middle = len(cases) // 2
             return check_cases(cases[:middle]) + check_cases(cases[middle:])
         error = traceback.format_exc().strip().splitlines()[-1][:300]
+        eager_error = _eager_error(cases[0])
+        if eager_error:
+            return [Outcome(cases[0].name, cases[0].label(), "skipped", f"eager raises with the carried tensors: {eager_error}")]
         return [Outcome(cases[0].name, cases[0].label(), "raises", error)]
     if len(cases) > 1 and any(outcome.kind == "replicated" for outcome in outcomes):
         middle = len(cases) // 2  # one op made the whole graph fall back: which one?
