@@ -42,3 +42,17 @@ def test_mix_is_short_dominated_but_long_samples_carry_tokens() -> None:
     assert sorted(lengths)[len(lengths) // 2] < 4 * demo.SHORTEST
     assert max(lengths) > 0.9 * demo.LONGEST
     assert sum(n for n in lengths if n > demo.LONGEST // 2) / sum(lengths) > 0.2
+
+
+def test_prediction_misses_are_told_per_kind_of_micro_batch() -> None:
+    timings = [
+        demo.MicroBatchTiming("dcp", 0, 1, "full", 5, 800, measured=2.0, predicted=1.0),
+        demo.MicroBatchTiming("dcp", 1, 1, "full", 3, 700, measured=2.0, predicted=1.0),
+        demo.MicroBatchTiming("dcp", 0, 1, "none", 20, 300, measured=0.5, predicted=0.6),
+        demo.MicroBatchTiming("static", 0, 2, "full", 1, 1000, measured=1.0, predicted=1.0),
+    ]
+    lines = demo.prediction_by_kind(timings)
+    rows = {tuple(line.split()[:4]): line for line in lines[2:]}
+    assert set(rows) == {("dcp", "1", "full", "2-8"), ("dcp", "1", "none", "9-32"), ("static", "2", "full", "1")}
+    assert rows[("dcp", "1", "full", "2-8")].split()[4:] == ["2", "1,500", "4.000", "2.000", "-50%"]
+    assert rows[("dcp", "1", "none", "9-32")].endswith("+20%")
