@@ -15,7 +15,8 @@ layers, for parity tests at SP 2:
   ``[experts * capacity, D]`` buffer, run as one batched matmul over the experts and read back;
 * ``sorted_capacity``: ``sorted_bmm`` with a capacity: a pair's place in its expert's group is its
   sorted position minus the group's start (per-expert counts by ``histc``), pairs past
-  ``ceil(tokens * k * factor / experts)`` are dropped.
+  ``ceil(tokens * k * factor / experts)`` are dropped; ``sorted_cumsum_capacity`` counts the
+  place by a ``cumsum`` over the sorted pairs' one-hot experts instead.
 
 Each returns its output and an auxiliary load-balancing loss accumulated from ``new_zeros(())``.
 """
@@ -104,20 +105,27 @@ class MoE(nn.Module):
         rows = torch.cat([hidden.reshape(-1, d), hidden.new_zeros(1, d)])[slot]
         return rows * (gate * kept)[:, None]
 
-    def sorted_capacity(self, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    def sorted_capacity(self, tokens: torch.Tensor, probs: torch.Tensor, places: str = "counts") -> torch.Tensor:
         t = tokens.shape[0]
         capacity = math.ceil(t * self.top_k * self.capacity_factor / EXPERTS)
         weights, experts = self.routed(probs)
         ids, order = experts.reshape(-1).sort(stable=True)
-        counts = torch.histc(ids.float(), bins=EXPERTS, min=0, max=EXPERTS - 1).long()
-        starts = counts.cumsum(0) - counts
-        position = torch.arange(ids.shape[0], device=ids.device) - starts[ids]  # place in its expert's group
+        if places == "counts":  # a pair's sorted position minus its group's start
+            counts = torch.histc(ids.float(), bins=EXPERTS, min=0, max=EXPERTS - 1).long()
+            starts = counts.cumsum(0) - counts
+            position = torch.arange(ids.shape[0], device=ids.device) - starts[ids]
+        else:  # a running count of the pair's expert over the sorted pairs
+            chosen = F.one_hot(ids, EXPERTS)
+            position = (chosen.cumsum(0) * chosen).sum(-1) - 1
         token = order // self.top_k
         rows = tokens.index_select(0, token).unsqueeze(1)
         hidden = F.silu(torch.bmm(rows, self.experts.w_in.index_select(0, ids)))
         out = torch.bmm(hidden, self.experts.w_out.index_select(0, ids)).squeeze(1)
         out = out * (weights.reshape(-1)[order] * (position < capacity))[:, None]
         return tokens.new_zeros(tokens.shape).index_add_(0, token, out)
+
+    def sorted_cumsum_capacity(self, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        return self.sorted_capacity(tokens, probs, places="cumsum")
 
 
 class Block(nn.Module):
@@ -153,7 +161,7 @@ class MoEModel(nn.Module):
         return x + 0.01 * total
 
 
-STYLES = ("loop", "gathered_weights", "sorted_bmm", "capacity", "sorted_capacity")
+STYLES = ("loop", "gathered_weights", "sorted_bmm", "capacity", "sorted_capacity", "sorted_cumsum_capacity")
 
 
 def build(style: str) -> MoEModel:

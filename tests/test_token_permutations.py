@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from dcp_compile.compiler.passes.sequence_dims import Rewrite, Role
+from dcp_compile.compiler.passes.sequence_dims.propagation import CAPACITY_REASON
 from dcp_compile.variant import Variant
 from dcp_compile.testing.process_world import run_in_process_world
 from model_zoo import ZOO, SortedExperts
@@ -48,8 +49,9 @@ def test_the_dispatch_is_tracked_not_gathered():
 
 
 def test_a_permuted_value_is_never_gathered(fake_world):
-    """A sorted-order value read by a sequence-mixing op: the interpreter refuses the gather (the
-    ranks' local orders would interleave) instead of computing a wrong result."""
+    """A sorted-order value read by a sequence-mixing op: gathering it would interleave the ranks'
+    local orders. The analysis refuses the local sort instead (the interpreter's refusal to
+    gather a permuted value stays the net below it)."""
 
     class LeakySort(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,12 +61,14 @@ def test_a_permuted_value_is_never_gathered(fake_world):
             return keys.cumsum(0)  # a scan over the permuted rows
 
     gm, analysis = analyse(LeakySort(), torch.randn(2, 9, 8, requires_grad=True))
-    (cumsum,) = gm.graph.find_nodes(op="call_function", target=aten.cumsum.default)
-    assert analysis.sequence.roles[cumsum].role == Role.MIXING
+    # The analysis refuses the local sort whose order a scan would read across tokens: the sort
+    # runs on the gathered tokens (no permuted value is ever gathered), the graph stays sharded.
     (sort,) = gm.graph.find_nodes(op="call_function", target=aten.sort.default)
-    assert analysis.sequence.roles[sort].token_order is sort
+    assert analysis.sequence.roles[sort].role == Role.MIXING and analysis.sequence.roles[sort].token_order is None
+    assert analysis.sequence.roles[sort].reason == CAPACITY_REASON
     (record,) = compile_variants(LeakySort(), (torch.randn(2, 9, 8, requires_grad=True),), [Variant(2)]).values()
-    assert record.fallback_reason is not None and "permuted" in record.fallback_reason, record.fallback_reason
+    assert record.fallback_reason is None and record.is_sharded, record.summary()
+    assert CAPACITY_REASON in [gather.reason for gather in record.gathers], record.gathers
 
 
 def test_sorted_experts_is_a_per_token_function():

@@ -82,3 +82,19 @@ def test_a_capacity_read_off_a_local_sorts_counts_refuses_the_sort():
     assert analysis.roles[sort].role is Role.MIXING and analysis.roles[sort].reason == CAPACITY_REASON
     assert not any(role.role is Role.TOKEN_SET for role in analysis.roles.values())
     assert analysis.roles[node(gm, aten.index_add_.default)].role is not Role.TOKEN_LOCAL
+
+
+def sorted_running_count(x: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    tokens = x.flatten(0, 1)
+    ids, order = (tokens @ router).argmax(-1).sort(stable=True)
+    chosen = torch.nn.functional.one_hot(ids, 4)
+    place = (chosen.cumsum(0) * chosen).sum(-1) - 1  # a scan across the sorted rows
+    rows = tokens.index_select(0, order) * (place < 3)[:, None]
+    return tokens.new_zeros(tokens.shape).index_add_(0, order, rows)
+
+
+def test_a_scan_across_a_local_sorts_rows_refuses_the_sort():
+    gm = trace(sorted_running_count, torch.randn(2, 7, 8), torch.randn(8, 4))
+    with pytest.raises(DispatchRefused) as refusal:
+        propagate([], SequenceAnalysis(length=size(gm, 0, 1), graph=fx_to_networkx(gm.graph)))
+    assert refusal.value.sort is node(gm, aten.sort.stable)

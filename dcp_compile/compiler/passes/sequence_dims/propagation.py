@@ -156,7 +156,7 @@ def propagate_node(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     """Classify one node whose inputs have their roles, and record its role (and the broadcast
     partners its rule found)."""
     result = classify(node, analysis)
-    refuse_counts_read_per_token(node, result, analysis)
+    refuse_local_dispatch(node, result, analysis)
     record_partners(result, analysis)
     order = token_order(result, analysis)
     if order is INHERIT:
@@ -168,23 +168,32 @@ def propagate_node(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     return role
 
 
-CAPACITY_REASON = ("counts of a local token sort are read per token (a capacity limit, a place in an expert's "
-                   "group): which tokens drop depends on the whole sequence, so the dispatch runs on the "
-                   "gathered tokens")
+CAPACITY_REASON = ("a local token sort's counts or order are read beyond its dispatch (a capacity limit, a place "
+                   "in an expert's group): which tokens drop depends on the whole sequence, so the dispatch "
+                   "runs on the gathered tokens")
 
 
-def refuse_counts_read_per_token(node: fx.Node, result: NodeRole, analysis: SequenceAnalysis) -> None:
-    """Token-set values (per-expert counts of the rank's own rows) are exact only as group sizes of
-    those rows (a grouped matmul's offsets, which its rule aligns). Read any other way next to the
-    tokens (``starts[expert_of_row]``, compared with a capacity) they would stand in for the whole
-    sequence's counts: the sort they come from is refused (``DispatchRefused``)."""
+def refuse_local_dispatch(node: fx.Node, result: NodeRole, analysis: SequenceAnalysis) -> None:
+    """A dispatch on the rank's own tokens (a local sort, see ``token_sets``) is exact only while
+    its values stay inside it. Token-set values (per-expert counts of the rank's rows) are exact
+    only as group sizes of those rows (a grouped matmul's offsets, which its rule aligns): read any
+    other way next to the tokens (``starts[expert_of_row]``, compared with a capacity) they would
+    stand in for the whole sequence's counts. A value in the sort's order read across tokens (a
+    ``cumsum`` of sorted one-hots for places in the experts' groups) would need a gather, which
+    would interleave the ranks' orders. Either way the sort is refused (``DispatchRefused``) and
+    the analysis reruns with it on the gathered tokens."""
     if result.role is Role.TOKEN_SET or node.op != "call_function":
         return
     for source in node.all_input_nodes:
         role = analysis.roles.get(source)
-        if role is None or role.role is not Role.TOKEN_SET or source in result.aligned_inputs:
+        if role is None:
             continue
-        sort = sort_behind(source, analysis)
+        if role.role is Role.TOKEN_SET and source not in result.aligned_inputs:
+            sort = sort_behind(source, analysis)
+        elif result.role is Role.MIXING and not result.rewrite and isinstance(role.token_order, fx.Node):
+            sort = role.token_order
+        else:
+            continue
         if sort is not None and sort not in analysis.refused_dispatches:
             raise DispatchRefused(sort, CAPACITY_REASON)
 
