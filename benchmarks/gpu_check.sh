@@ -11,7 +11,7 @@
 # Results go to $OUT when set (e.g. a device runner's output folder), else benchmarks/results/:
 #   profile_cuda_<gpu>.md/.json, replay_cuda_<gpu>.md/.json,
 #   kernels_nvidia_smi.txt, kernels_tests.log (with the 15 slowest tests),
-#   kernels_bench.log, kernels_<gpu>.csv, kernels_<gpu>.png
+#   kernels_bench.log, kernels_<gpu>.csv, kernels_<gpu>.png, varlen_choice_<gpu>.json, varlen_choice_tests.log
 #
 # Knobs (environment):
 #   GPU_CHECK_TESTS   cuda (default: only the CUDA-parametrized tests, a few minutes of device time)
@@ -74,6 +74,14 @@ if [ "$BENCH" != "none" ]; then
   bench_rc=${PIPESTATUS[0]}
   echo "kernel benchmark exit code: $bench_rc"
   [ "$bench_rc" -eq 0 ] || status=1
+fi
+
+# The varlen path's implementations (Triton, FlexAttention document mask, equal-length SDPA, and the
+# chooser's pick) forward and backward against the reference on CUDA: about a minute. The kernel
+# benchmark above times the chooser's pick against FlexAttention and padded SDPA and writes the
+# chooser's table, varlen_choice_<gpu>.json.
+if [ "$BENCH" != "none" ] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  run_step varlen_choice_tests python -m pytest tests/kernels/test_kernels_attention_choice.py -q -k cuda -p no:cacheprovider
 fi
 
 # End to end on the GPU: packed rows through the compiled model (Triton varlen) against padded SDPA.

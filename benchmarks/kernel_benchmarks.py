@@ -303,7 +303,16 @@ def _attention_impls(case: AttentionCase, dtype: torch.dtype, device: torch.devi
     max_len = max(case.lengths)
 
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    yield "dcp-triton varlen", lambda: varlen_attention(*leaves, cu, max_len, causal=case.causal), leaves
+    yield "dcp-triton varlen", lambda: varlen_attention(*leaves, cu, max_len, causal=case.causal, kernel="triton"), leaves
+
+    # What the varlen path runs by itself (dcp_compile/kernels/attention_choice.py), its block mask or
+    # reshape inside the clock: chosen here, outside the benchmark's forced Triton backend.
+    from dcp_compile.kernels.attention_choice import VarlenShape, choose_varlen_kernel
+
+    chosen = choose_varlen_kernel(VarlenShape.of(q, cu, max_len, case.causal)).kernel.value
+    chosen_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    yield (f"dcp chosen ({chosen})",
+           lambda: varlen_attention(*chosen_leaves, cu, max_len, causal=case.causal, kernel=chosen), chosen_leaves)
 
     # KV heads are expanded up front: SDPA's fused kernels then apply (enable_gqa with a padding
     # mask would fall back to the math path), and the expansion is not timed.
@@ -370,6 +379,46 @@ def bench_attention(
                                         str(dtype).removeprefix("torch."), ms, "TFLOP/s", tflops, peak,
                                         100 * tflops / peak, baseline.get(direction, float("nan")) / ms))
     return records
+
+
+IMPL_KEYS = {"dcp-triton varlen": "triton", "torch SDPA padded": "padded_sdpa", "torch FlexAttention doc-mask": "flex"}
+
+
+def write_choice_table(records: Sequence[TimingRecord], cases: Sequence[AttentionCase], device_name: str,
+                       path: Path) -> list[str]:
+    """The varlen chooser's measured table (forward+backward ms per implementation and case, with
+    the GPU, torch and Triton versions), and one verdict line per case: the chosen path against
+    FlexAttention, and against padded SDPA where padding exceeds 10%."""
+    import json
+
+    import triton
+
+    lines, rows = [], []
+    for case in cases:
+        timed = {r.impl: r.time_ms for r in records if r.case == case.name and r.direction == "fwd+bwd"}
+        lengths = case.lengths
+        padding = 1 - sum(lengths) / (len(lengths) * max(lengths))
+        rows.append({"case": case.name, "total_tokens": sum(lengths), "num_seqs": len(lengths), "max_seqlen": max(lengths),
+                     "padding_fraction": round(padding, 4), "head_dim": case.dim, "q_heads": case.hq,
+                     "kv_heads": case.hkv, "causal": case.causal,
+                     "fwd_bwd_ms": {IMPL_KEYS[k]: round(v, 4) for k, v in timed.items() if k in IMPL_KEYS}})
+        chosen = next(((k, v) for k, v in timed.items() if k.startswith("dcp chosen")), None)
+        if chosen is None:
+            continue
+        flex, sdpa = timed.get("torch FlexAttention doc-mask"), timed.get("torch SDPA padded")
+        verdict = f"{case.name}: {chosen[0]} {chosen[1]:.3f} ms"
+        if flex:
+            verdict += f", {flex / chosen[1]:.2f}x FlexAttention's speed ({'ok' if chosen[1] <= flex * 1.02 else 'SLOWER'})"
+        if sdpa and padding > 0.10:
+            verdict += f", {sdpa / chosen[1]:.2f}x padded SDPA's ({'ok' if chosen[1] <= sdpa * 1.02 else 'SLOWER'})"
+        lines.append(verdict)
+    path.write_text(json.dumps({
+        "device": device_name, "torch": torch.__version__, "triton": triton.__version__,
+        "source": f"benchmarks/kernel_benchmarks.py ({path.name})",
+        "measured": "forward+backward milliseconds, triton.testing.do_bench; padded SDPA on an already padded batch, "
+                    "FlexAttention with its block mask built outside the clock",
+        "cases": rows}, indent=1))
+    return lines
 
 
 # --------------------------------------------------------------------------- CPU: correctness only
@@ -544,6 +593,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print()
     print(format_table(records))
     stem = f"kernels_{gpu_slug(name)}"
+    if args.only in ("attention", "all"):
+        table_path = args.out_dir / f"varlen_choice_{gpu_slug(name)}.json"
+        print("\n".join(write_choice_table(records, attention_cases(args.quick), name, table_path)))
+        print(f"wrote {table_path} (copy it to dcp_compile/kernels/ for the varlen path to choose by it)")
     csv_path = args.out_dir / f"{stem}.csv"
     write_csv(records, csv_path)
     print(f"\nwrote {csv_path}")

@@ -20,7 +20,9 @@ from typing import Any, Optional
 import torch
 
 from . import varlen_attention_reference as reference
+from .attention_choice import VarlenChoice, VarlenKernel, VarlenShape, choose_varlen_kernel, equal_length_sdpa
 from .dispatch import kernel_backend
+from .varlen_flex import flex_document_attention
 from .triton_loader import triton_module
 
 log = logging.getLogger(__name__)
@@ -168,6 +170,7 @@ def varlen_attention(
     max_seqlen: int,
     causal: bool = False,
     scale: Optional[float] = None,
+    kernel: Optional[str] = None,
 ) -> torch.Tensor:
     """Attention over packed sequences, no padding and no attention across sequence boundaries.
 
@@ -175,7 +178,42 @@ def varlen_attention(
     ``cu_seqlens[0] == 0`` and ``cu_seqlens[-1] == T``, ``max_seqlen`` >= the longest sequence
     (it sizes the launch grid; 0 reads it from ``cu_seqlens``). ``scale`` defaults to ``1/sqrt(D)``. Returns ``[T, Hq, D]``.
     A CPU ``cu_seqlens`` is validated; a CUDA one is trusted (validating would sync the device).
+
+    The implementation is the fastest measured for the shape (:mod:`.attention_choice`: the Triton
+    kernel, FlexAttention with a document mask, or SDPA when every sequence has the same length;
+    on CPU the torch reference); ``kernel`` (a :class:`.attention_choice.VarlenKernel` value) forces
+    one. :func:`last_varlen_choice` says what the last call ran and why. Under ``torch.compile``
+    (symbolic sizes) the call stays the ``dcp::`` op.
     """
     _check_inputs(q, k, v, cu_seqlens)
+    choice = _choose(q, cu_seqlens, max_seqlen, causal, kernel)
+    if choice is not None and choice.kernel is VarlenKernel.FLEX:
+        return flex_document_attention(q, k, v, cu_seqlens, causal, scale)
+    if choice is not None and choice.kernel is VarlenKernel.EQUAL_SDPA:
+        return equal_length_sdpa(q, k, v, cu_seqlens.shape[0] - 1, causal, scale)
     out, _ = torch.ops.dcp.varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale)
     return out
+
+
+_last_choice: list[Optional[VarlenChoice]] = [None]
+
+
+def last_varlen_choice() -> Optional[VarlenChoice]:
+    """The implementation the last eager :func:`varlen_attention` call ran, with the reason."""
+    return _last_choice[0]
+
+
+def _choose(q: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool,
+            kernel: Optional[str]) -> Optional[VarlenChoice]:
+    if any(isinstance(size, torch.SymInt) for size in (*q.shape, *cu_seqlens.shape)):
+        return None  # traced: the dcp:: op, whose kernel is picked when it runs
+    shape = VarlenShape.of(q, cu_seqlens, max_seqlen, causal)
+    if kernel is not None:
+        choice = VarlenChoice(VarlenKernel(kernel), "asked for")
+        if choice.kernel is VarlenKernel.EQUAL_SDPA and not shape.equal_lengths:
+            raise ValueError(f"kernel='equal_sdpa' needs sequences of one length (max_seqlen * sequences == tokens), "
+                             f"got {shape.num_seqs} sequences of up to {max_seqlen} over {shape.total_tokens} tokens")
+    else:
+        choice = choose_varlen_kernel(shape)
+    _last_choice[0] = choice
+    return choice
