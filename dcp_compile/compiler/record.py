@@ -35,6 +35,8 @@ class VariantRecord:
     gathers: list[Any] = field(default_factory=list)
     local_fallbacks: list[str] = field(default_factory=list)  # sharded ops that ran on gathered inputs
     rewrites: list[str] = field(default_factory=list)
+    # (site, layout, padded head slots) per SDPA site: "ring x2 over Ulysses x2 (...)" or "Ulysses x4 (...)"
+    attention_layouts: list[tuple[str, str, int]] = field(default_factory=list)
     collectives: dict[str, int] = field(default_factory=dict)
     sharded_regions: int = 0
     output_gathers: int = 0  # forward-only all-to-alls that return a chunked output in full
@@ -77,6 +79,11 @@ class VariantRecord:
         line = (f"{self.variant}: sharded {covered}/{self.attention_sites} attention sites "
                 f"({len(self.sharded_sites)} all-to-all{local}) | gathers {len(self.gathers)}"
                 + (f" [{reasons}]" if reasons else ""))
+        layouts = collections.Counter(layout.split(" (")[0] for _, layout, _ in self.attention_layouts)
+        if any(not layout.startswith("Ulysses") for layout in layouts) or any(p for _, _, p in self.attention_layouts):
+            padded = sum(p for _, _, p in self.attention_layouts)
+            line += " | attention: " + ", ".join(f"{layout} at {count} site(s)" for layout, count in layouts.items())
+            line += f" ({padded} padded head slots)" if padded else " (no padded heads)"
         for site, why in self.unsharded_sites:
             line += f" | {site} UNSHARDED: {why}"
         return line
@@ -131,6 +138,8 @@ class GraphRecord:
                 lines.append(f"    inner compiler: {variant.inner_fallback}")
             if variant.collectives:
                 lines.append("    collectives: " + ", ".join(f"{k} x{v}" for k, v in sorted(variant.collectives.items())))
+            for site, layout, _ in variant.attention_layouts:
+                lines.append(f"    attention {site}: {layout}")
             for rewrite in variant.rewrites:
                 lines.append(f"    rewrite {rewrite}")
             for gather in variant.gathers:

@@ -7,6 +7,10 @@ runs unchanged; the output goes back the same way. Heads that do not divide by P
 zero); GQA with KV heads that do not split evenly replicates the KV heads each rank needs. Sequence
 chunks may be uneven (and empty): the split sizes of the all-to-alls are the symbolic chunk lengths.
 
+When P does not divide the query heads, an SDPA site runs as ring or Ulysses x ring attention
+instead of padding (:mod:`dcp_compile.compiler.ring_attention`); hand-written regions, joint and
+replicated-query attention still pad.
+
 Used by ``insert_all_to_all`` (SDPA sites) and ``shard_sequence`` (hand-written attention regions).
 """
 
@@ -19,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dcp_compile.compiler import collectives
+from dcp_compile.compiler import collectives, ring_attention
 from dcp_compile.compiler.sequence_chunks import chunk_lengths
 
 
@@ -132,6 +136,14 @@ def _present(segment: Any) -> bool:
     return not (isinstance(segment, int) and segment == 0)
 
 
+def plan_site(query, key, dropout_p, key_is_chunk, value_is_chunk, query_joint, key_joint, query_replicated,
+              sp_size: int) -> ring_attention.AttentionPlan:
+    """The layout one ``dcp::sharded_attention`` site runs under (4-D operands, heads at dim 1)."""
+    return ring_attention.plan_attention(
+        query.shape[1], key.shape[1], sp_size, self_attention=bool(key_is_chunk and value_is_chunk),
+        dropout_p=float(dropout_p), joint=bool(query_joint or key_joint), query_replicated=bool(query_replicated))
+
+
 def ulysses_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, full_length,
                       key_is_chunk, value_is_chunk, query_joint=False, key_joint=False, before=0, after=0,
                       query_replicated=False, *, sp_size: int, rank: int, group: str) -> torch.Tensor:
@@ -146,6 +158,12 @@ def ulysses_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
             attn_mask = attn_mask.unsqueeze(0)
     if query.dim() != 4:
         raise NotImplementedError(f"dcp: attention on {query.dim()}-D queries")
+    plan = plan_site(query, key, dropout_p, key_is_chunk, value_is_chunk, query_joint, key_joint, query_replicated,
+                     sp_size)
+    if plan.uses_ring:  # P does not divide the heads: ring (x Ulysses) instead of padded heads
+        out = ring_attention.ring_attention(query, key, value, attn_mask, is_causal, scale, full_length, plan.layout,
+                                            rank=rank, group=group)
+        return out.squeeze(0) if three_dim else out
     lengths = chunk_lengths(full_length, sp_size)
     local = query.shape[2]
     query_layout, kv_layout, gqa = plan_heads(query.shape[1], key.shape[1], sp_size, enable_gqa)

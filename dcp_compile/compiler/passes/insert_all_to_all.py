@@ -17,7 +17,7 @@ import torch.fx as fx
 from dcp_compile.compiler.graph_capture import splice_traced
 from dcp_compile.compiler.passes import sharded_attention_op  # noqa: F401
 from dcp_compile.compiler.passes.context import PassContext
-from dcp_compile.compiler.ulysses import ulysses_attention
+from dcp_compile.compiler.ulysses import plan_site, ulysses_attention
 
 log = logging.getLogger(__name__)
 SHARDED_ATTENTION = torch.ops.dcp.sharded_attention.default
@@ -46,6 +46,18 @@ def _lower_marker(gm: fx.GraphModule, marker: fx.Node, ctx: PassContext) -> None
         return ulysses_attention(*arguments, sp_size=ctx.sp_size, rank=ctx.rank, group=ctx.group_name)
 
     splice_traced(gm, marker, lower, [values[i] for i in graph_positions], ctx.fake_mode)
+    _record_layout(marker.name, values, ctx)
+
+
+def _record_layout(site: str, values: list[Any], ctx: PassContext) -> None:
+    """Name the site's layout on the variant record (Ulysses, ring, or ring x Ulysses)."""
+    if ctx.variant_record is None:
+        return
+    query, key = (value.meta["val"] if isinstance(value, fx.Node) else value for value in values[:2])
+    if query.dim() == 3:  # [N, S, D]: N is the head dimension, as ulysses_attention reads it
+        query, key = query.unsqueeze(0), key.unsqueeze(0)
+    plan = plan_site(query, key, values[4], *values[9:13], bool(values[15]), ctx.sp_size)
+    ctx.variant_record.attention_layouts.append((site, plan.describe(), plan.padded_head_slots))
 
 
 def insert_all_to_all_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
