@@ -128,3 +128,30 @@ def test_eight_ranks_two_heads():
         "gqa_2q1kv_causal": "ring x8 (2 query / 1 KV heads at SP 8, no padded heads)",
     }
     check_world(8, list(layouts), [16, 11], layouts)
+
+
+def test_the_cost_model_prices_the_layout_the_compiler_builds():
+    """Heads that divide: the Ulysses price as before (4 all-to-alls each way per layer). Two heads
+    at SP 4 and 8: the hybrid's all-to-all over 2 ranks plus r - 1 ring steps of K/V; the
+    attention FLOPs per rank stay 1/P of the whole (nothing padded to pay for)."""
+    from dcp_compile.schedule.analytic import raw_term_coefficients
+    from dcp_compile.schedule.attention_communication import attention_communication, attention_layout
+    from dcp_compile.schedule.hardware import Hardware
+    from dcp_compile.schedule.model_profile import ModelProfile
+
+    hardware = Hardware.H200
+    wide = ModelProfile.transformer("wide", num_layers=4, hidden_size=1024, num_heads=8, num_kv_heads=8)
+    fixed, per_token = attention_communication(wide, hardware, 4, passes=2)
+    bytes_per_token = wide.activation_dtype_bytes * 4 * wide.hidden_size
+    assert per_token == pytest.approx(2 * 4 * bytes_per_token / 4 * hardware.all_to_all_seconds_per_byte(4))
+    assert fixed == pytest.approx(4 * 2 * 4 * hardware.all_to_all_latency(4))
+    narrow = ModelProfile.transformer("narrow", num_layers=4, hidden_size=128, num_heads=2, num_kv_heads=2)
+    assert attention_layout(narrow, 4).describe() == "ring x2 over Ulysses x2"
+    assert attention_layout(narrow, 8).describe() == "ring x4 over Ulysses x2"
+    steps = {sp: attention_communication(narrow, hardware, sp, passes=2)[0] for sp in (2, 4, 8)}
+    assert steps[2] < steps[4] < steps[8]  # more ring steps, more latency
+    ring_bytes = 2 * narrow.activation_dtype_bytes * 3 * 2 * narrow.hidden_size  # r-1 = 3 steps of K+V, both ways
+    _, per_token_8 = attention_communication(narrow, hardware, 8, passes=2)
+    assert per_token_8 > 4 * ring_bytes / 8 / hardware.intra_node_bandwidth  # includes the ring (4 layers)
+    attention = {sp: raw_term_coefficients(narrow, hardware, sp, "none")["attention"][2] for sp in (1, 4, 8)}
+    assert attention[4] == pytest.approx(attention[1] / 4) and attention[8] == pytest.approx(attention[1] / 8)

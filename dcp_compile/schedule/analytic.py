@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from dcp_compile.variant import RecomputePolicy
 
+from .attention_communication import attention_communication
 from .hardware import Hardware
 
 if TYPE_CHECKING:
@@ -136,17 +137,11 @@ def raw_term_coefficients(
     )
     # Forward reads the weights once, backward twice (input and weight gradients).
     memory_fixed = 3 * profile.parameter_bytes / hardware.memory_bandwidth
-    if sp_size > 1:
-        kv_width = profile.head_dim * max(profile.num_kv_heads, sp_size)  # GQA replicates KV heads
-        bytes_per_token_per_layer = profile.activation_dtype_bytes * (2 * profile.hidden_size + 2 * kv_width)
-        # 4 all-to-alls forward (q, k, v, out) and the same 4 backward, per attention layer; a
-        # recomputed block sends its forward 4 again.
-        passes = 3 if collectives_recomputed and recompute == RecomputePolicy.FULL else 2
-        volume_per_token = passes * profile.num_attention_layers * bytes_per_token_per_layer / sp_size
-        communication_per_token = volume_per_token * hardware.all_to_all_seconds_per_byte(sp_size)
-        communication_fixed = 4 * passes * profile.num_attention_layers * hardware.all_to_all_latency(sp_size)
-    else:
-        communication_per_token = communication_fixed = 0.0
+    # 4 all-to-alls forward (q, k, v, out) and the same 4 backward per attention layer, or the
+    # ring (x Ulysses) steps where the SP size does not divide the heads; a recomputed block
+    # sends its forward's again.
+    passes = 3 if collectives_recomputed and recompute == RecomputePolicy.FULL else 2
+    communication_fixed, communication_per_token = attention_communication(profile, hardware, sp_size, passes)
     overhead = profile.num_layers * hardware.layer_overhead_s
     return {
         "linear": (0.0, linear, 0.0),
