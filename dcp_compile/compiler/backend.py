@@ -9,6 +9,7 @@ dimensions), and returns a ``Dispatcher`` that builds and compiles a variant per
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -96,11 +97,19 @@ def analysed_dispatcher(aten_gm: fx.GraphModule, fake_inputs: list[Any], fake_mo
     report_compiled(AnalysedGraph(record.graph_id, len(record.attention_sites), record.trace_seconds))
     dispatcher = Dispatcher(parsed, record, analysed, analysis, fake_inputs, fake_mode, VARIANT_PASSES)
     if not parsed.buckets and active_variant() is None:
-        # Static mode has exactly one variant: build it now, inside dynamo's compile, so that
-        # any guard the inner compiler adds is installed by dynamo. Under a dcp.use plan, variants
-        # compile on first use, like buckets' (the static variant only if a micro-batch runs it).
-        dispatcher.compile_variant(dispatcher.static_variant, dispatcher.scalars_of(example_inputs))
+        # Static mode has exactly one variant: build it now, inside dynamo's compile. Without the
+        # guards its compile adds: they ask about this rank's chunk ("is it 1?"), so a rank with a
+        # shorter last chunk would recompile alone, and a length would re-trace. The variant serves
+        # every length, as the variants of buckets and dcp.use plans do (compiled on first use,
+        # after dynamo installed its guards; the static variant only if a micro-batch runs it).
+        with without_guards(fake_mode):
+            dispatcher.compile_variant(dispatcher.static_variant, dispatcher.scalars_of(example_inputs))
     return dispatcher
+
+
+def without_guards(fake_mode: Any) -> contextlib.AbstractContextManager:
+    shape_env = getattr(fake_mode, "shape_env", None)
+    return shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()
 
 
 def scalar_inputs(gm: fx.GraphModule) -> tuple[int, ...]:
