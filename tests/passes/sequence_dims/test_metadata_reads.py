@@ -8,14 +8,16 @@ import torch
 from rule_helpers import analysed, node, size, trace
 
 from dcp_compile.compiler.passes.sequence_dims import Role, SequenceDim
-from dcp_compile.compiler.passes.sequence_dims.registry import METADATA_READS, RULES
+from dcp_compile.compiler.passes.sequence_dims.registry import FACTORIES_BY_EXAMPLE, METADATA_READS, RULES
 
 aten = torch.ops.aten
 
 
 def test_every_factory_by_example_has_the_metadata_rule():
-    for target in METADATA_READS:
+    for target in FACTORIES_BY_EXAMPLE:
         assert RULES[target].__name__ == "metadata_read_rule", target
+        assert METADATA_READS[target] == (0,), target
+    assert RULES[aten.type_as.default].__name__ == "type_as_rule"  # b of a.type_as(b): metadata only
 
 
 def test_a_factory_by_example_of_a_shape_without_the_sequence_reads_no_token():

@@ -9,7 +9,7 @@ import torch.fx as fx
 
 from dcp_compile.compiler.custom_autograd import custom_autograd_function, function_of
 from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Role, SequenceAnalysis
-from dcp_compile.compiler.passes.sequence_dims.registry import METADATA_READS, mixing, pointwise, rule
+from dcp_compile.compiler.passes.sequence_dims.registry import FACTORIES_BY_EXAMPLE, mixing, pointwise, rule
 
 aten = torch.ops.aten
 
@@ -43,7 +43,7 @@ def sym_size_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     return NodeRole(Role.NONE)
 
 
-@rule(*METADATA_READS)
+@rule(*FACTORIES_BY_EXAMPLE)
 def metadata_read_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     """``x.new_zeros(size)`` and its kin read ``x``'s dtype and device only: no token of ``x`` reaches
     the result, so it depends on no position. A result whose size holds the sequence length is a

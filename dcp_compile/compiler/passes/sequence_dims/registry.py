@@ -45,14 +45,17 @@ VIEWS = {
     aten.squeeze.default, aten.view_as.default, aten.reshape_as.default,
 }
 
-# Factories by example: ops that read their tensor argument (at these positions) only for its
-# dtype, device and layout, never its values or shape (``x.new_zeros(())``). Their result is
-# fresh, the same on every rank whatever layout the argument is in, so it is never gathered for
-# them (``elementwise_rules.metadata_read_rule``; the sharding interpreter hands them the chunk).
+# Arguments an op reads only for their dtype, device and layout, never their values or shape:
+# factories by example (``x.new_zeros(())``) and ``a.type_as(b)``'s ``b``. What the op makes of
+# them is the same on every rank whatever layout they are in, so the sharding interpreter hands
+# them the layout at hand and never gathers them. The factories' rule is
+# ``elementwise_rules.metadata_read_rule``; ``type_as`` keeps its own.
 METADATA_READS: dict[Any, tuple[int, ...]] = {
     aten.new_zeros.default: (0,), aten.new_ones.default: (0,), aten.new_empty.default: (0,),
-    aten.new_full.default: (0,), aten.new_empty_strided.default: (0,),
+    aten.new_full.default: (0,), aten.new_empty_strided.default: (0,), aten.type_as.default: (1,),
 }
+FACTORIES_BY_EXAMPLE = (aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
+                        aten.new_full.default, aten.new_empty_strided.default)
 
 RULES: dict[Any, Rule] = {}
 

@@ -445,7 +445,10 @@ class ShardingInterpreter(fx.Interpreter):
             return LOWERINGS[Role.ATTENTION](self, n)
         if role.rewrite is not None:
             return LOWERINGS[role.rewrite](self, n)
-        args = fx.map_arg(n.args, lambda a: self.as_chunk(a) if a in aligned else self.as_full(a, consumer=n))
+        metadata = METADATA_READS.get(n.target, ())
+        args = tuple(self._any_layout(a) if i in metadata and a not in aligned else
+                     fx.map_arg(a, lambda a: self.as_chunk(a) if a in aligned else self.as_full(a, consumer=n))
+                     for i, a in enumerate(n.args))
         kwargs = fx.map_arg(n.kwargs, lambda a: self.as_chunk(a) if a in aligned else self.as_full(a, consumer=n))
         target = n.target
         if target is SDPA:
