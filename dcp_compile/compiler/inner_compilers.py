@@ -172,6 +172,29 @@ def _is_inductor_stride_sort_bug(error: BaseException) -> bool:
     return False
 
 
+def has_recompute_tags(gm: fx.GraphModule) -> bool:
+    return any(node.meta.get("recompute") is not None for node in gm.graph.nodes)
+
+
+@contextlib.contextmanager
+def autograd_cache_off_if_tagged(gm: fx.GraphModule) -> Iterator[None]:
+    """Bypass AOTAutograd's cache for a graph whose nodes carry recompute tags.
+
+    The partitioner reads the recompute policy from ``node.meta["recompute"]``, which AOTAutograd's
+    cache key (the graph's code; torch 2.13 clears the graph module's own meta while keying) does
+    not see: ``recompute=full`` at SP 2 hit the entry of ``recompute=none`` at SP 2 and ran without
+    recomputation (and without the forward/backward graphs on its record). Inductor's FX graph
+    cache stays on: it keys the partitioned forward and backward graphs, which the tags shape.
+    """
+    from torch._functorch import config as functorch_config
+
+    if has_recompute_tags(gm):
+        with functorch_config.patch(enable_autograd_cache=False):
+            yield
+    else:
+        yield
+
+
 def compile_inductor(gm: fx.GraphModule, example_inputs: list[Any], record: VariantRecord) -> Callable:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -189,7 +212,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list[Any], record: Vari
             return compile_fx_inner(graph, inputs, **kwargs)
 
     try:
-        with compile_stage("AOTAutograd trace and partition"):
+        with compile_stage("AOTAutograd trace and partition"), autograd_cache_off_if_tagged(gm):
             return compile_fx(gm, example_inputs, inner_compile=recording_inner)
     except Exception as error:
         if not _is_inductor_stride_sort_bug(error):
