@@ -20,6 +20,7 @@
 #   GPU_CHECK_TIMEOUT seconds per step (default 420); GPU_CHECK_TEST_TIMEOUT for the tests alone
 #   GPU_CHECK_PACKED  no (default) | yes (benchmarks/packed_vs_padded.py on CUDA, packed_vs_padded_cuda.md/.csv)
 #   GPU_CHECK_PROFILE yes (default: profile_blocks.py) | no;  GPU_CHECK_REPLAY yes (default: replay.py) | no
+#   GPU_CHECK_DIT     yes (default: dit_inductor_step.py, Inductor vs aot_eager on a real-width DiT) | no
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -74,6 +75,12 @@ if [ "$BENCH" != "none" ]; then
   bench_rc=${PIPESTATUS[0]}
   echo "kernel benchmark exit code: $bench_rc"
   [ "$bench_rc" -eq 0 ] || status=1
+fi
+
+# A diffusers DiT at real width (Wan 2.1 1.3B, 4 layers) under dcp: step time with Inductor against
+# aot_eager, and no Inductor fallback (dit_inductor_step_<gpu>.md); about 3 minutes, mostly compiles.
+if [ "${GPU_CHECK_DIT:-yes}" != "no" ] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  run_step dit_inductor_step python benchmarks/dit_inductor_step.py --out-dir "$OUT_DIR"
 fi
 
 # The varlen path's implementations (Triton, FlexAttention document mask, equal-length SDPA, and the

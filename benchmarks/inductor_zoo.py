@@ -35,8 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def survey_one(name: str, tokens: int | None) -> dict[str, Any]:
-    """Compile and run one case on a fake 2-rank world (this process is rank 0)."""
+def survey_one(name: str, tokens: int | None, rank: int = 0) -> dict[str, Any]:
+    """Compile and run one case on a fake 2-rank world as ``rank`` (the ranks' chunk bounds differ,
+    and so do the size expressions Inductor meets)."""
     import logging
     import traceback
 
@@ -52,7 +53,7 @@ def survey_one(name: str, tokens: int | None) -> dict[str, Any]:
     for setting, value in case.dynamo_config:
         setattr(torch._dynamo.config, setting, value)
     n = tokens or case.lengths[0]
-    row: dict[str, Any] = {"model": name, "class": case.model_class, "tokens": None, "fallbacks": [],
+    row: dict[str, Any] = {"model": name, "rank": rank, "class": case.model_class, "tokens": None, "fallbacks": [],
                            "error": None, "where": None, "seconds": None}
     warnings: list[str] = []
 
@@ -61,7 +62,7 @@ def survey_one(name: str, tokens: int | None) -> dict[str, Any]:
             warnings.append(record.getMessage())
 
     logging.getLogger("dcp_compile.compiler.inner_compilers").addHandler(Catch(logging.WARNING))
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
     start = time.perf_counter()
     try:
         model = case.build()
@@ -134,11 +135,12 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--render", action="store_true", help="rewrite the table from the JSON file only")
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--rank", type=int, default=0, help="the fake world's rank this process plays (0 or 1)")
     parser.add_argument("--jobs", type=int, default=1, help="cases compiled at once, each in its own process")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print("ROW " + json.dumps(survey_one(args.one, None)))
+        print("ROW " + json.dumps(survey_one(args.one, None, args.rank)))
         return
     from dcp_compile.testing import real_models as rm
 
@@ -156,7 +158,7 @@ def main() -> None:
     def survey(name: str) -> dict[str, Any]:
         start = time.perf_counter()
         try:
-            proc = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True,
+            proc = subprocess.run([sys.executable, __file__, "--one", name, "--rank", str(args.rank)], capture_output=True, text=True,
                                   timeout=args.timeout, env=env, cwd=ROOT)
             found = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
             if found:

@@ -125,3 +125,20 @@ def test_an_image_model_compiles_with_inductor_and_no_fallback(fake_world):
     assert patches.rescued_stride_sorts() > before, "the model no longer meets the bug: pick one that does"
     text = str(dcp.explain(compiled, torch.randn(2, 4, 7, 3)))
     assert "aot_eager instead of inductor" not in text, text
+
+
+@pytest.mark.skipif(not patches.value_range_patch_applies(), reason="the patch is for torch <= 2.13")
+def test_a_negative_power_gets_an_unknown_value_range_inside_the_patch_only():
+    """The range of ``x**-1`` for ``x`` in [-3, -2] (a true division in a sharded window's size)
+    raises in torch 2.13's value-range analysis; inside the patch it is unknown (sound), other powers
+    keep their ranges, and the classmethod is restored after."""
+    from torch.utils._sympy.value_ranges import SymPyValueRangeAnalysis, ValueRanges
+
+    original = SymPyValueRangeAnalysis.__dict__["pow_by_natural"]
+    with pytest.raises(ValueError, match="Exponent must be non-negative"):
+        SymPyValueRangeAnalysis.pow_by_natural(ValueRanges(-3, -2), ValueRanges(-1, -1))
+    with patches.scoped_inductor_fixes() as patch:
+        assert SymPyValueRangeAnalysis.pow_by_natural(ValueRanges(-3, -2), ValueRanges(-1, -1)) == ValueRanges.unknown_int()
+        assert SymPyValueRangeAnalysis.pow_by_natural(ValueRanges(2, 3), ValueRanges(2, 2)) == ValueRanges(4, 9)
+    assert patch.unknown_ranges == 1
+    assert SymPyValueRangeAnalysis.__dict__["pow_by_natural"] is original

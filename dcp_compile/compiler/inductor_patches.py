@@ -37,9 +37,11 @@ ENV_SWITCH = "DCP_INDUCTOR_PATCHES"
 
 @dataclass
 class StrideSortPatch:
-    """What one patched compile did: how many stride sorts needed the shape environment."""
+    """What one patched compile did: stride sorts that needed the shape environment, negative powers
+    whose value range was left unknown."""
 
     rescued: int = 0
+    unknown_ranges: int = 0
 
 
 _total = StrideSortPatch()  # over the process, for reports and tests
@@ -48,6 +50,11 @@ _total = StrideSortPatch()  # over the process, for reports and tests
 def rescued_stride_sorts() -> int:
     """Stride sorts the patch has redone with the shape environment in this process."""
     return _total.rescued
+
+
+def unknown_value_ranges() -> int:
+    """Negative powers whose value range the patch left unknown in this process."""
+    return _total.unknown_ranges
 
 
 def _torch_release() -> tuple[int, int]:
@@ -109,25 +116,86 @@ def fill_order_with_shape_env(original: Callable, patch: StrideSortPatch) -> Cal
 
 
 @contextlib.contextmanager
-def stride_sort_with_shape_env() -> Iterator[StrideSortPatch]:
-    """Within the block, Inductor's symbolic stride sorts use the shape environment (see the module
-    docstring); restored on exit. A no-op (still yielding a record) where the patch does not apply
-    or is already on (a nested compile)."""
-    patch = StrideSortPatch()
+def _stride_sort_patch(patch: StrideSortPatch) -> Iterator[None]:
     if not stride_sort_patch_applies():
-        yield patch
+        yield
         return
     from torch._inductor import ir
 
     original = ir.get_fill_order
     if hasattr(original, "__dcp_patch__"):
-        yield patch
+        yield
         return
     ir.get_fill_order = fill_order_with_shape_env(original, patch)
     try:
-        yield patch
+        yield
     finally:
         ir.get_fill_order = original
-        if patch.rescued:
-            log.info("dcp: %d of Inductor's symbolic stride sorts used the shape environment "
-                     "(dcp's scoped patch for pytorch/pytorch#172204)", patch.rescued)
+
+
+# --- value ranges of a negative power ------------------------------------------------------------
+# Sharded windows (a conv over the token grid, each rank's chunk bounds ``Max(0, (5*s + 1)//10 - 1)``)
+# give Inductor size expressions with a true division, which SymPy writes as a power -1; the value
+# range analysis then calls ``pow_by_natural`` with a negative exponent and ``safe_pow`` raises
+# ``ValueError: Exponent must be non-negative`` out of ``evaluate_expr`` (torch 2.13: seen on rank 1
+# of Sana at SP 2, in the backward). An unknown range is always sound: the analysis only loses a
+# bound it could not compute.
+NEGATIVE_EXPONENT = "Exponent must be non-negative"
+
+
+def value_range_patch_applies() -> bool:
+    if os.environ.get(ENV_SWITCH, "1") == "0" or _torch_release() > LAST_AFFECTED:
+        return False
+    try:
+        from torch.utils._sympy.value_ranges import SymPyValueRangeAnalysis, ValueRanges
+    except ImportError:
+        return False
+    return isinstance(SymPyValueRangeAnalysis.__dict__.get("pow_by_natural"), classmethod) and hasattr(ValueRanges, "unknown_int")
+
+
+@contextlib.contextmanager
+def _value_range_patch(patch: StrideSortPatch) -> Iterator[None]:
+    if not value_range_patch_applies():
+        yield
+        return
+    from torch.utils._sympy.value_ranges import SymPyValueRangeAnalysis, ValueRanges
+
+    original = SymPyValueRangeAnalysis.__dict__["pow_by_natural"]
+    if hasattr(original.__func__, "__dcp_patch__"):
+        yield
+        return
+
+    def pow_by_natural(cls: Any, a: Any, b: Any) -> Any:
+        try:
+            return original.__func__(cls, a, b)
+        except ValueError as error:
+            if NEGATIVE_EXPONENT not in str(error):
+                raise
+            patch.unknown_ranges += 1
+            _total.unknown_ranges += 1
+            return ValueRanges.unknown_int()
+
+    pow_by_natural.__dcp_patch__ = original  # type: ignore[attr-defined]
+    SymPyValueRangeAnalysis.pow_by_natural = classmethod(pow_by_natural)
+    try:
+        yield
+    finally:
+        SymPyValueRangeAnalysis.pow_by_natural = original
+
+
+@contextlib.contextmanager
+def stride_sort_with_shape_env() -> Iterator[StrideSortPatch]:
+    """dcp's scoped Inductor fixes for one compile (the name is the first of them): symbolic stride
+    sorts use the shape environment, and a negative power's value range is unknown instead of an
+    error (see above); restored on exit. Each is a no-op where it does not apply or is already on
+    (a nested compile); the record counts what each did."""
+    patch = StrideSortPatch()
+    with _stride_sort_patch(patch), _value_range_patch(patch):
+        yield patch
+    if patch.rescued or patch.unknown_ranges:
+        log.info("dcp: Inductor compile needed dcp's scoped fixes: %d symbolic stride sorts used the shape "
+                 "environment (pytorch/pytorch#172204), %d negative powers got an unknown value range",
+                 patch.rescued, patch.unknown_ranges)
+
+
+scoped_inductor_fixes = stride_sort_with_shape_env
