@@ -45,7 +45,32 @@ def all_reduce_sum_for_replicated_use(tensor: torch.Tensor, group_name: str, gro
     total = all_reduce_sum(tensor.detach(), group_name)
     if not tensor.requires_grad:
         return total
-    return total + (tensor - tensor.detach()) * group_size
+    # Not ``total + (tensor - tensor.detach()) * P``: an infinite local sum makes that term
+    # inf - inf = NaN, where eager's total is the infinity (the OpInfo sweep's masked.mean).
+    return total_with_local_gradient(total, tensor, float(group_size))
+
+
+@torch.library.custom_op("dcp::total_with_local_gradient", mutates_args=())
+def total_with_local_gradient(total: torch.Tensor, local: torch.Tensor, scale: float) -> torch.Tensor:
+    """``total`` forward; the gradient goes to ``local``, times ``scale``, in backward."""
+    return total.clone()
+
+
+@total_with_local_gradient.register_fake
+def _(total, local, scale):
+    return torch.empty_like(total)
+
+
+def _total_with_local_gradient_setup(ctx, inputs, output):
+    ctx.scale = inputs[2]
+
+
+def _total_with_local_gradient_backward(ctx, grad):
+    return None, grad * ctx.scale, None
+
+
+total_with_local_gradient.register_autograd(_total_with_local_gradient_backward,
+                                            setup_context=_total_with_local_gradient_setup)
 
 
 def gather_sequence(local: torch.Tensor, dim: int, full_length, sp_size: int, group_name: str) -> torch.Tensor:
