@@ -21,7 +21,6 @@ import json
 import math
 import os
 import pickle
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -442,7 +441,8 @@ def check_batch(cases: list[OpCase]) -> list[Outcome]:
                 if variant.sp_size == 1:
                     continue
                 if variant.attention_sites == 0 or not variant.is_sharded:
-                    replicated.append(variant.fallback_reason or variant.summary())
+                    replicated.append(f"{variant.fallback_reason or variant.summary()} (one of {len(records)} graphs "
+                                      f"the model ran as)")
                 for gather in variant.gathers:
                     i, in_carry = _case_of(gather.op, graph_record.graph)
                     text = f"{'harness ' if in_carry else ''}{gather.op}: {gather.reason}"
@@ -452,9 +452,7 @@ def check_batch(cases: list[OpCase]) -> list[Outcome]:
         if problems[i]:
             outcomes.append(Outcome(case.name, case.label(), "WRONG", "; ".join(problems[i][:3])))
         elif replicated:
-            outcomes.append(Outcome(case.name, case.label(), "replicated",
-                                    "dynamo split the model here and the op's graph has no attention, so it runs "
-                                    f"replicated: {replicated[0]}" if "no attention" in replicated[0] else replicated[0]))
+            outcomes.append(Outcome(case.name, case.label(), "replicated", replicated[0]))
         elif gathers[i]:
             outcomes.append(Outcome(case.name, case.label(), "gathered", gathers[i][0], sorted(set(gathers[i]))))
         else:
@@ -485,11 +483,12 @@ def check_cases(cases: list[OpCase]) -> list[Outcome]:
     """``check_batch``, split in halves where a batch raises; a wrong op is confirmed alone."""
     try:
         outcomes = check_batch(cases)
-    except Exception:
+    except Exception as raised:  # noqa: BLE001
         if len(cases) > 1:
             middle = len(cases) // 2
             return check_cases(cases[:middle]) + check_cases(cases[middle:])
-        error = traceback.format_exc().strip().splitlines()[-1][:300]
+        lines = [line for line in str(raised).splitlines() if line.strip()]
+        error = f"{type(raised).__name__}: {' '.join(lines[:2])[:300]}"
         eager_error = _eager_error(cases[0])
         if eager_error:
             return [Outcome(cases[0].name, cases[0].label(), "skipped", f"eager raises with the carried tensors: {eager_error}")]
