@@ -31,6 +31,35 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def write(rows: list[dict], out: str, planned: int, misses: str) -> None:
+    """The results page so far (rewritten after every run: a run cut short still leaves the ones done)."""
+    winners = {"DCP" if r["measured"] > 1 else "static SP" for r in rows}
+    ratio_errors = [r["predicted"] / r["measured"] - 1 for r in rows]
+    busy_errors = [abs(r[key]) for r in rows for key in ("dcp_error", "static_error")]
+    lines = [
+        "# The demo, run repeatedly on this machine (measured)", "",
+        f"`python -m dcp_compile demo` (2 gloo processes, one CPU thread each, TinyGPT of width 256, 6 steps) run {len(rows)} times (of {planned} planned) "
+        f"in a row on a shared 2-core machine; the load average (1 min) before and after each run is its background. "
+        f"Winner of each run: **{' / '.join(sorted(winners))}**. Predicted (at the probed speed) over measured "
+        f"speedup: {', '.join(f'{100 * e:+.0f}%' for e in ratio_errors)}; busy-time prediction errors at the probed "
+        f"speed: worst {max(busy_errors)}% over both schedules and all runs.", "",
+        "| run | load before / after | measured DCP / static | per step, paired (95% interval) | predicted "
+        "(probed speed / as profiled) | busy-time error DCP / static (probed; as profiled) | profile held-out "
+        "median / worst | wall s |",
+        "|---:|---|---:|---|---|---|---|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['run']} | {r['load_before']:.1f} / {r['load_after']:.1f} | {r['measured']:.2f}x | "
+                     f"{r['paired']:.2f}x ({r['low']:.2f}-{r['high']:.2f}) | {r['predicted']:.2f}x / "
+                     f"{r['profiled']:.2f}x | {r['dcp_error']:+d}% / {r['static_error']:+d}% ({r['dcp_raw']:+d}% / "
+                     f"{r['static_raw']:+d}%) | {r['held_median']}% / {r['held_worst']}% | "
+                     f"{r['seconds']:.0f} |")
+    if misses:
+        lines += ["", "The last run's prediction, by kind of micro-batch (what it printed):", "", "```", misses.strip(), "```"]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text("\n".join(lines) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
@@ -56,34 +85,12 @@ def main(argv: list[str] | None = None) -> int:
                    dcp_raw=int(dcp_raw), static_raw=int(static_raw), held_median=int(held_median),
                    held_worst=int(held_worst))
         rows.append(row)
+        misses = out[out.index("Where the prediction misses"):] if "Where the prediction misses" in out else ""
+        write(rows, args.out, args.runs, misses)
         print(f"run {run + 1}: DCP {measured}x static SP (paired {paired}x, {low}-{high}), predicted {predicted}x "
               f"(as profiled {profiled}x), "
               f"busy-time error DCP {dcp_error}%, static {static_error}%, load {before:.1f}->{row['load_after']:.1f}, "
               f"{seconds:.0f} s", flush=True)
-    winners = {"DCP" if r["measured"] > 1 else "static SP" for r in rows}
-    ratio_errors = [r["predicted"] / r["measured"] - 1 for r in rows]
-    busy_errors = [abs(r[key]) for r in rows for key in ("dcp_error", "static_error")]
-    lines = [
-        "# The demo, run repeatedly on this machine (measured)", "",
-        f"`python -m dcp_compile demo` (2 gloo processes, one CPU thread each, TinyGPT, 6 steps) run {len(rows)} times "
-        f"in a row on a shared 2-core machine; the load average (1 min) before and after each run is its background. "
-        f"Winner of each run: **{' / '.join(sorted(winners))}**. Predicted (at the probed speed) over measured "
-        f"speedup: {', '.join(f'{100 * e:+.0f}%' for e in ratio_errors)}; busy-time prediction errors at the probed "
-        f"speed: worst {max(busy_errors)}% over both schedules and all runs.", "",
-        "| run | load before / after | measured DCP / static | per step, paired (95% interval) | predicted "
-        "(probed speed / as profiled) | busy-time error DCP / static (probed; as profiled) | profile held-out "
-        "median / worst | wall s |",
-        "|---:|---|---:|---|---|---|---|---:|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['run']} | {r['load_before']:.1f} / {r['load_after']:.1f} | {r['measured']:.2f}x | "
-                     f"{r['paired']:.2f}x ({r['low']:.2f}-{r['high']:.2f}) | {r['predicted']:.2f}x / "
-                     f"{r['profiled']:.2f}x | {r['dcp_error']:+d}% / {r['static_error']:+d}% ({r['dcp_raw']:+d}% / "
-                     f"{r['static_raw']:+d}%) | {r['held_median']}% / {r['held_worst']}% | "
-                     f"{r['seconds']:.0f} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
     return 0
 
 
