@@ -81,7 +81,7 @@ def run(inner: str, config: dict, layers: int, latents: list[tuple[int, int, int
             "first_step_s": round(first, 2), "step_ms": round(1e3 * statistics.median(times), 2)}
         print(f"{inner} {frames}x{height}x{width} ({tokens} tokens): first step {first:.1f} s, "
               f"step {1e3 * statistics.median(times):.1f} ms", flush=True)
-    record = dcp.explain(compiled, **inputs(*latents[0]))
+    record = dcp.explain(compiled, **inputs(*latents[0]), return_dict=False)  # the same call: no new trace
     result["fallbacks"] = [f"graph {g.graph_id} {v.variant}: {v.inner_fallback}" for g in record.graphs
                            for v in g.variants.values() if v.inner_fallback]
     return result

@@ -82,9 +82,10 @@ def survey_one(name: str, tokens: int | None, rank: int = 0) -> dict[str, Any]:
         row["traceback"] = traceback.format_exc()[-4000:]
     row["seconds"] = round(time.perf_counter() - start, 1)
     row["fallback_warnings"] = len(warnings)
-    from dcp_compile.compiler.inductor_patches import rescued_stride_sorts
+    from dcp_compile.compiler.inductor_patches import rescued_stride_sorts, unknown_value_ranges
 
     row["patched_sorts"] = rescued_stride_sorts()  # > 0: torch's Inductor as shipped would have failed
+    row["unknown_ranges"] = unknown_value_ranges()  # > 0: the second fix was needed too
     return row
 
 
@@ -92,7 +93,8 @@ def render(rows: list[dict[str, Any]], patched: bool) -> str:
     import torch
 
     fallbacks = [row["model"] for row in rows if row["fallbacks"]]
-    errors = [row["model"] for row in rows if row["error"]]
+    unfinished = [row["model"] for row in rows if row["error"] and row["error"].startswith("timeout")]
+    errors = [row["model"] for row in rows if row["error"] and row["model"] not in unfinished]
     lines = [
         "# Inductor on the zoo's diffusers DiTs under dcp (SP 2, fake world, CPU)",
         "",
@@ -103,27 +105,30 @@ def render(rows: list[dict[str, Any]], patched: bool) -> str:
         "fake 2-rank process group, forward and backward at the first token count (compile survey; "
         "parity on gloo is `tests/test_inductor_zoo.py`).",
         "",
-        f"**{len(rows)} cases: {len(rows) - len(set(fallbacks) | set(errors))} compile with Inductor everywhere, "
+        f"**{len(rows)} runs: {len(rows) - len(fallbacks) - len(errors) - len(unfinished)} compile with Inductor, "
         f"{len(fallbacks)} fall back to aot_eager ({', '.join(fallbacks) or 'none'}), "
-        f"{len(errors)} raise ({', '.join(errors) or 'none'}).**",
+        f"{len(errors)} raise ({', '.join(errors) or 'none'}), {len(unfinished)} did not finish in time "
+        f"({', '.join(unfinished) or 'none'}).**",
         "",
         "Patched sorts: Inductor stride sorts that dcp's patch (dcp_compile/compiler/inductor_patches.py, "
         "pytorch/pytorch#172204) redid with the shape environment; more than 0 means torch's Inductor as "
         "shipped fails on this model (a forward sort: the variant falls back to aot_eager; a backward one: "
-        "the first backward raises).",
+        "the first backward raises). Unknown ranges: negative powers whose value range the second fix left "
+        "unknown (before it, the backward failed on rank 1 of Sana).",
         "",
-        "| model | class | tokens | Inductor | patched sorts | seconds |",
-        "|---|---|---|---|---|---|",
+        "| model | class | rank | tokens | Inductor | patched sorts | unknown ranges | seconds |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if row["error"]:
-            status = f"ERROR {row['error']} at {row['where']}"
+            status = f"ERROR {row['error']}" + (f" at {row['where']}" if row["where"] else "")
         elif row["fallbacks"]:
             status = f"FALLBACK in {len(row['fallbacks'])} variant(s): {row['fallbacks'][0][:200]}"
         else:
             status = "ok"
-        lines.append(f"| {row['model']} | {row['class']} | {row['tokens']} | {status.replace('|', '/')} | "
-                     f"{row.get('patched_sorts', '-')} | {row['seconds']} |")
+        status += f" ({row['note']})" if row.get("note") else ""
+        lines.append(f"| {row['model']} | {row['class']} | {row.get('rank', 0)} | {row['tokens']} | {status.replace('|', '/')} | "
+                     f"{row.get('patched_sorts', '-')} | {row.get('unknown_ranges', '-')} | {row['seconds']} |")
     return "\n".join(lines) + "\n"
 
 
