@@ -89,6 +89,11 @@ def check_world(world_size: int, names: list[str], lengths: list[int], layouts: 
             assert not result["problems"], "\n".join(result["problems"])
             assert result["layouts"] == [layouts[name]], (name, result["layouts"], rank_results["summaries"])
             assert result["padded"] == 0
+            # dcp.explain's one-line summary names the layout
+            summaries = [text for label, text in rank_results["summaries"].items() if label.startswith(name + "@")]
+            assert summaries and all("attention: " + layouts[name].split(" (")[0] in text for text in summaries), summaries
+            assert all("site(s) as ring attention" in text for label, text in rank_results["sharding"].items()
+                       if label.startswith(name + "@")), rank_results["sharding"]
     for name in names:
         found = re.search(r"Ulysses x(\d+)", layouts[name])
         ulysses = int(found.group(1)) if found else 1

@@ -70,8 +70,11 @@ def collectives_line(variants: list) -> str:
     for variant in variants:
         counts.update(variant.collectives)
     output_gathers = sum(getattr(v, "output_gathers", 0) for v in variants)
+    rings = sum(1 for v in variants for _, layout, _ in getattr(v, "attention_layouts", ()) if layout.startswith("ring"))
     meaning = {
         "all_to_all_single": "Ulysses around attention (4 per self-attention, 2 per cross-attention site)"
+                             + (f", {rings} site(s) as ring attention (4 if heads are split, plus ring size - 1)"
+                                if rings else "")
                              + (f", {output_gathers} returning a sharded output in full" if output_gathers else ""),
         "all_gather_into_tensor": "gathers before sequence-mixing ops, and replicated text over heads",
         "all_reduce": "sums of shard-local reductions (the loss)",
