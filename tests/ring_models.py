@@ -107,7 +107,7 @@ def _run(model: nn.Module, call: Any, x: torch.Tensor, reduce: bool) -> tuple[to
     return out.detach(), grads
 
 
-def ring_worker(rank: int, world_size: int, names: list[str], lengths: list[int]) -> dict[str, Any]:
+def ring_worker(rank: int, world_size: int, names: list[str], lengths: list[int], inner: str = "eager") -> dict[str, Any]:
     """Per case: parity problems, the layouts the record names, padded head slots, and the score
     elements this rank computed per length (one forward, both blocks)."""
     import dcp_compile as dcp
@@ -122,7 +122,7 @@ def ring_worker(rank: int, world_size: int, names: list[str], lengths: list[int]
         work: dict[int, int] = {}
         torch._dynamo.reset()
         model = build(name)
-        compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager"})
+        compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": inner})
         for length in lengths:
             label = f"{name}@{length}"
             try:

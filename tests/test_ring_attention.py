@@ -44,6 +44,8 @@ def test_plan_falls_back_to_padding_only_where_the_ring_cannot_run(monkeypatch):
     assert not ring_attention.plan_attention(2, 2, 4, dropout_p=0.1).uses_ring
     assert "cross-attention" in ring_attention.plan_attention(2, 2, 4, self_attention=False).describe()
     assert "joint" in ring_attention.plan_attention(2, 2, 4, joint=True).describe()
+    # A packed micro-batch's varlen attention needs each rank's heads whole (cu_seqlens per head).
+    assert "packed" in ring_attention.plan_attention(2, 2, 4, packed=True).describe()
     monkeypatch.setenv("DCP_RING_ATTENTION", "0")
     assert "DCP_RING_ATTENTION=0" in ring_attention.plan_attention(2, 2, 4).describe()
 

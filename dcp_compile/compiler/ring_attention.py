@@ -23,7 +23,8 @@ K/V block the forward received (a ring backward that re-passes K/V to save memor
 
 Masks and additive biases are cut to each block (a bias's gradient is exact). Not taken (today's
 padded Ulysses runs instead, with the reason on the variant record): dropout, cross-attention
-(keys from a full context), joint and replicated-query attention, hand-written attention regions. ``DCP_RING_ATTENTION=0`` turns the path off.
+(keys from a full context), joint and replicated-query attention, hand-written attention regions,
+packed micro-batches (``use_varlen_attention`` needs each rank's heads whole). ``DCP_RING_ATTENTION=0`` turns the path off.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def ring_enabled() -> bool:
 
 def plan_attention(query_heads: int, key_heads: int, sp_size: int, *, self_attention: bool = True,
                    dropout_p: float = 0.0, joint: bool = False,
-                   query_replicated: bool = False) -> AttentionPlan:
+                   query_replicated: bool = False, packed: bool = False) -> AttentionPlan:
     """Ulysses when ``sp_size`` divides the query heads, else ring/hybrid where it applies."""
     layout = choose_attention_layout(query_heads, key_heads, sp_size)
     if layout.ring == 1:
@@ -88,6 +89,8 @@ def plan_attention(query_heads: int, key_heads: int, sp_size: int, *, self_atten
     why = None
     if not ring_enabled():
         why = "DCP_RING_ATTENTION=0"
+    elif packed:
+        why = "a packed micro-batch (varlen attention over whole heads)"
     elif query_replicated:
         why = "replicated queries over sharded keys/values"
     elif joint:

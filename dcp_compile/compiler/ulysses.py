@@ -137,16 +137,18 @@ def _present(segment: Any) -> bool:
 
 
 def plan_site(query, key, dropout_p, key_is_chunk, value_is_chunk, query_joint, key_joint, query_replicated,
-              sp_size: int) -> ring_attention.AttentionPlan:
+              sp_size: int, packed: bool = False) -> ring_attention.AttentionPlan:
     """The layout one ``dcp::sharded_attention`` site runs under (4-D operands, heads at dim 1)."""
     return ring_attention.plan_attention(
         query.shape[1], key.shape[1], sp_size, self_attention=bool(key_is_chunk and value_is_chunk),
-        dropout_p=float(dropout_p), joint=bool(query_joint or key_joint), query_replicated=bool(query_replicated))
+        dropout_p=float(dropout_p), joint=bool(query_joint or key_joint), query_replicated=bool(query_replicated),
+        packed=packed)
 
 
 def ulysses_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, full_length,
                       key_is_chunk, value_is_chunk, query_joint=False, key_joint=False, before=0, after=0,
-                      query_replicated=False, *, sp_size: int, rank: int, group: str) -> torch.Tensor:
+                      query_replicated=False, *, sp_size: int, rank: int, group: str,
+                      packed: bool = False) -> torch.Tensor:
     """Ulysses around one attention. A joint sequence (``[text | image chunk | text]`` on every
     rank) sends only the image chunk through the all-to-all; the replicated text segments are
     cut to the rank's heads locally and, after attention, gathered back to every head. Replicated
@@ -159,7 +161,7 @@ def ulysses_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
     if query.dim() != 4:
         raise NotImplementedError(f"dcp: attention on {query.dim()}-D queries")
     plan = plan_site(query, key, dropout_p, key_is_chunk, value_is_chunk, query_joint, key_joint, query_replicated,
-                     sp_size)
+                     sp_size, packed)
     if plan.uses_ring:  # P does not divide the heads: ring (x Ulysses) instead of padded heads
         out = ring_attention.ring_attention(query, key, value, attn_mask, is_causal, scale, full_length, plan.layout,
                                             rank=rank, group=group)

@@ -43,7 +43,8 @@ def _lower_marker(gm: fx.GraphModule, marker: fx.Node, ctx: PassContext) -> None
         arguments = list(values)
         for position, value in zip(graph_positions, graph_values):
             arguments[position] = value
-        return ulysses_attention(*arguments, sp_size=ctx.sp_size, rank=ctx.rank, group=ctx.group_name)
+        return ulysses_attention(*arguments, sp_size=ctx.sp_size, rank=ctx.rank, group=ctx.group_name,
+                                 packed=ctx.packed)
 
     splice_traced(gm, marker, lower, [values[i] for i in graph_positions], ctx.fake_mode)
     _record_layout(marker.name, values, ctx)
@@ -56,7 +57,7 @@ def _record_layout(site: str, values: list[Any], ctx: PassContext) -> None:
     query, key = (value.meta["val"] if isinstance(value, fx.Node) else value for value in values[:2])
     if query.dim() == 3:  # [N, S, D]: N is the head dimension, as ulysses_attention reads it
         query, key = query.unsqueeze(0), key.unsqueeze(0)
-    plan = plan_site(query, key, values[4], *values[9:13], bool(values[15]), ctx.sp_size)
+    plan = plan_site(query, key, values[4], *values[9:13], bool(values[15]), ctx.sp_size, ctx.packed)
     ctx.variant_record.attention_layouts.append((site, plan.describe(), plan.padded_head_slots))
 
 
