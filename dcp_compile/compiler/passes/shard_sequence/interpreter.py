@@ -446,6 +446,8 @@ class ShardingInterpreter(fx.Interpreter):
         if role.rewrite is not None:
             return LOWERINGS[role.rewrite](self, n)
         metadata = METADATA_READS.get(n.target, ())
+        if n.target in (aten.view_as.default, aten.reshape_as.default):
+            metadata = (1,)  # the template's sizes are replaced by this rank's (``_local_sizes``): never gather it
         args = tuple(self._any_layout(a) if i in metadata and a not in aligned else
                      fx.map_arg(a, lambda a: self.as_chunk(a) if a in aligned else self.as_full(a, consumer=n))
                      for i, a in enumerate(n.args))
@@ -455,8 +457,10 @@ class ShardingInterpreter(fx.Interpreter):
             self.rank_local_sites.append(n.name)  # attention over a dimension this rank holds whole
         if target in VIEWS or target is aten.expand.default:
             args = self._local_sizes(n, args)
-            if target in (aten.view.default, aten._unsafe_view.default):
-                target = aten.reshape.default  # a chunk may not be viewable where the full value was
+            if target in (aten.view.default, aten._unsafe_view.default, aten.view_as.default, aten.reshape_as.default):
+                # a chunk may not be viewable where the full value was; view_as/reshape_as now
+                # carry this rank's sizes (``_local_sizes``), not the full-size template
+                target = aten.reshape.default
         elif target in (aten.slice.Tensor, aten.narrow.default):
             source_seq = self.seq_of(n.args[0])
             dim = args[1] % args[0].dim()
