@@ -34,6 +34,7 @@ D, HEADS = 8, 2
 LENGTHS = (13, 22)  # odd and even; unlike any size in the samples, so no other dimension shares the symbol
 SCALE = 0.05  # the projection's share: the op sees the sample's values, moved per token
 SAMPLES_SEEN, SAMPLES_TRIED = 40, 6
+NO_REASON = "(NO REASON RECORDED)"  # a gather whose record says nothing: a failure of the sweep
 PRESCREEN_BATCH = 24
 
 
@@ -445,7 +446,7 @@ def check_batch(cases: list[OpCase]) -> list[Outcome]:
                                       f"the model ran as)")
                 for gather in variant.gathers:
                     i, in_carry = _case_of(gather.op, graph_record.graph)
-                    text = f"{'harness ' if in_carry else ''}{gather.op}: {gather.reason}"
+                    text = f"{'harness ' if in_carry else ''}{gather.op}: {gather.reason or NO_REASON}"
                     (gathers[i] if i is not None else unattributed).append(text)
     outcomes = []
     for i, case in enumerate(cases):
