@@ -66,8 +66,10 @@ def flex_document_attention(
     documents = document_ids(cu, total)
     # the mask is built on the tokens' device; on CPU small blocks keep the eager path cheap
     block = block_size if q.device.type == "cuda" else max(1, min(block_size, total))
+    # On CUDA the mask is built by a compiled kernel (eagerly it costs milliseconds at 16k tokens,
+    # which the chosen path pays inside its clock); note that it compiles once per token count.
     block_mask = create_block_mask(document_mask_mod(documents, causal), None, None, total, total,
-                                   device=q.device, BLOCK_SIZE=block)
+                                   device=q.device, BLOCK_SIZE=block, _compile=q.device.type == "cuda")
     layout = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]  # [1, H, T, D]
     run: Any = _compiled_flex() if q.device.type == "cuda" else flex_attention
     with warnings.catch_warnings():  # off CUDA the unfused path is the point (tests), not a mistake
