@@ -144,10 +144,10 @@ def attention_block(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     (``-inf`` where a row sees no key of this block)."""
     scores = _scores(query, key, bias, scale, causal)
     lse = torch.logsumexp(scores, -1)
-    out = _probabilities(scores, lse) @ _expand(value, query.shape[1] // key.shape[1])
+    out = (_probabilities(scores, lse) @ _expand(value, query.shape[1] // key.shape[1])).contiguous()
     WORK_COUNTER["score_elements"] += scores.numel()
     WORK_COUNTER["blocks"] += 1
-    return out, lse
+    return out, lse.contiguous()
 
 
 @attention_block.register_fake
@@ -174,14 +174,15 @@ def attention_block_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor, que
     grad_key = grad_scores.transpose(-2, -1) @ query.float() * scale
     grad_bias = _reduce_to(grad_scores, bias.shape).to(bias.dtype) if bias_grad and bias is not None \
         else grad_scores.new_empty(0)
-    return (grad_query.to(query.dtype), _fold(grad_key, group).to(key.dtype), _fold(grad_value, group).to(value.dtype),
-            grad_bias)
+    return (grad_query.to(query.dtype).contiguous(), _fold(grad_key, group).to(key.dtype).contiguous(),
+            _fold(grad_value, group).to(value.dtype).contiguous(), grad_bias.contiguous())
 
 
 @attention_block_backward.register_fake
 def _(grad_out, grad_lse, query, key, value, bias, out, lse, scale, causal, bias_grad):
-    grad_bias = torch.empty_like(bias) if bias_grad and bias is not None else grad_out.new_empty(0)
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grad_bias
+    # Contiguous, as the implementation returns them: the compiled backward's views follow these strides.
+    grad_bias = bias.new_empty(bias.shape) if bias_grad and bias is not None else grad_out.new_empty(0)
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), grad_bias
 
 
 def _reduce_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -219,12 +220,12 @@ def depend(tensor: torch.Tensor, others: list[torch.Tensor]) -> torch.Tensor:
     """``tensor``, made to depend on ``others``: a collective whose result a rank does not use
     (a K/V block a causal rank skips) would be dead code on that rank and not on the others,
     and a collective issued by only some ranks hangs. The gradient of ``others`` is zero."""
-    return tensor.clone()
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 @depend.register_fake
 def _(tensor, others):
-    return torch.empty_like(tensor)
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
 
 
 def _depend_backward(ctx, grad):
