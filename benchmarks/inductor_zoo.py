@@ -157,9 +157,8 @@ def main() -> None:
         out.write_text(render(rows, not args.no_patch))
         return
     done = {row["model"] for row in rows}
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    if args.no_patch:
-        env["DCP_INDUCTOR_PATCHES"] = "0"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
+           "DCP_INDUCTOR_PATCHES": "0" if args.no_patch else "1"}
     def survey(name: str) -> dict[str, Any]:
         start = time.perf_counter()
         try:

@@ -155,13 +155,19 @@ def test_windows_through_inductor():
 
 
 @pytest.mark.slow
-def test_inductor_stride_bug_falls_back_to_aot_eager_and_says_so(fake_world, monkeypatch):
+def test_inductor_stride_bug_falls_back_to_aot_eager_and_says_so(fake_world, monkeypatch, request):
     """A grid model's backward under Inductor hits pytorch/pytorch#172204 on torch 2.13 (also without
     dcp): with dcp's patch off (DCP_INDUCTOR_PATCHES=0; on, it compiles: test_inductor_patches.py),
     the variant runs under aot_eager instead, exact, and explain says why."""
     from model_zoo import GridConvModel
 
     monkeypatch.setenv("DCP_INDUCTOR_PATCHES", "0")
+    # A compile cached by a patched run would skip the lowering, and with it the bug: a fresh cache.
+    from torch._inductor.utils import fresh_cache
+
+    fresh = fresh_cache()
+    fresh.__enter__()
+    request.addfinalizer(lambda: fresh.__exit__(None, None, None))
 
     torch.manual_seed(0)
     model = GridConvModel()

@@ -1,7 +1,7 @@
 """Every diffusers DiT of the real-model zoo compiles with Inductor under dcp, with no fallback.
 
 The zoo's worker (``dcp_compile/testing/real_models.py``) with ``inner="inductor"`` at SP 2 on a
-2-rank gloo world, at each case's first token count: sharding as in ``test_real_model_zoo.py``,
+2-rank gloo world, at both of each case's token counts (a compiled backward must serve a second length): sharding as in ``test_real_model_zoo.py``,
 forward+backward parity with eager, and no variant that fell back to ``aot_eager``
 (``VariantRecord.inner_fallback``, which ``dcp.explain`` prints). Inductor generates and compiles
 C++ for every variant, forward and backward: several minutes per case on a loaded 2-core machine,
@@ -35,8 +35,9 @@ def test_diffusers_dit_compiles_with_inductor_without_fallback(name: str, monkey
     # The ranks' Inductor compiles (each rank's chunk bounds differ) can finish minutes apart on a
     # loaded machine: the rank check waits that long instead of its 300 s default.
     monkeypatch.setenv("DCP_RANK_CHECK_TIMEOUT", str(int(CASE_TIMEOUT)))
+    monkeypatch.setenv("DCP_INDUCTOR_PATCHES", "1")  # dcp's opt-in Inductor fixes (compiler/inductor_patches.py)
     case = rm.CASES[name]
-    rows = rm.run_case(name, world_size=2, timeout=CASE_TIMEOUT, lengths=case.lengths[:1], inner="inductor")
+    rows = rm.run_case(name, world_size=2, timeout=CASE_TIMEOUT, lengths=case.lengths, inner="inductor")
     for row in rows:
         print(rm.format_row(row), "| inner fallbacks:", row["inner_fallbacks"] or "none")
     fallbacks = [f"{row['model']}@{row['tokens']}: {line}" for row in rows for line in row["inner_fallbacks"]]

@@ -12,10 +12,12 @@ is redone by Inductor's own symbolic comparator (``argsort_sym``) with the shape
 the strides (or of the graph being lowered). The order only picks a layout (Inductor then fixes
 the strides it chose), so it cannot change results.
 
-The patch is on when torch is at most :data:`LAST_AFFECTED` and ``torch._inductor.ir.get_fill_order``
-and ``torch._inductor.utils.argsort_sym`` exist; ``DCP_INDUCTOR_PATCHES=0`` turns it off (to see
-torch as shipped). Where it is off and the bug strikes, ``compile_inductor`` still falls back to
-``aot_eager`` for that variant and says so in ``dcp.explain``.
+The fixes are OFF by default: ``DCP_INDUCTOR_PATCHES=1`` turns them on, where torch is at most
+:data:`LAST_AFFECTED` and the functions they wrap exist. Why off: with them, a grid model (tokens
+``H*W``) compiles forward and backward and matches eager at its first length, but its compiled
+backward then asserts a stride of the first length at the next one (``expected size 2==2, stride
+320==336``; GridConvModel at SP 1, fresh Inductor cache; not yet understood). Off, the bug makes
+``compile_inductor`` fall back to ``aot_eager`` for that variant, exact, and ``dcp.explain`` says so.
 """
 
 from __future__ import annotations
@@ -63,9 +65,9 @@ def _torch_release() -> tuple[int, int]:
 
 
 def stride_sort_patch_applies() -> bool:
-    """The patch is needed and can be applied: torch <= 2.13, the functions it wraps exist, and
-    ``DCP_INDUCTOR_PATCHES`` is not ``0``."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or _torch_release() > LAST_AFFECTED:
+    """The patch is asked for (``DCP_INDUCTOR_PATCHES=1``), needed (torch <= 2.13) and can be
+    applied (the functions it wraps exist)."""
+    if os.environ.get(ENV_SWITCH, "0") != "1" or _torch_release() > LAST_AFFECTED:
         return False
     try:
         from torch._inductor import ir, utils
@@ -144,7 +146,7 @@ NEGATIVE_EXPONENT = "Exponent must be non-negative"
 
 
 def value_range_patch_applies() -> bool:
-    if os.environ.get(ENV_SWITCH, "1") == "0" or _torch_release() > LAST_AFFECTED:
+    if os.environ.get(ENV_SWITCH, "0") != "1" or _torch_release() > LAST_AFFECTED:
         return False
     try:
         from torch.utils._sympy.value_ranges import SymPyValueRangeAnalysis, ValueRanges
