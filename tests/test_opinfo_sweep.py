@@ -10,13 +10,13 @@ the sequence. The quick tier is a fixed set of ops of every kind; the slow tier 
 database in shards (``DCP_OPINFO_LOG`` keeps a line per op as it is checked; ``python
 tests/test_opinfo_sweep.py LOG...`` writes ``benchmarks/results/opinfo_sweep.md``).
 
-First full run (2026-12-04, one case per op, SP 2; the table has every row): 674 of op_db's 702
-entries classified, 223 sharded, 292 gathered with a reason (one, ``nn.functional.embedding`` with a
-sequence-indexed table, gathered with an empty reason), 35 replicated, 120 skipped with why, 4 raising
-in dcp (a gloo collective on int16/complex outputs: "Invalid scalar type"); one silently wrong
-(``masked.mean``, fixed) and two raising (``view_as``/``reshape_as``, fixed) are quick-tier
-regressions now. 28 entries of shard 3 are not classified: a process running one of them crashed
-(glibc "corrupted double-linked list").
+First full run (2026-12-04, one case per op, SP 2; the table has every row): all 702 op_db entries
+classified: 231 sharded, 308 gathered with a reason (one, ``nn.functional.embedding`` with a
+sequence-indexed table, gathered with an empty reason: marked, a failure for the slow tier), 38
+replicated (their graph had no attention), 121 skipped with why, 4 raising in dcp ("Invalid scalar type"
+on int16/complex outputs, likely gloo's collectives); one silently wrong (``masked.mean``, fixed) and two
+raising (``view_as``/``reshape_as``, fixed) are quick-tier regressions now. One process crashed once
+with glibc's "corrupted double-linked list" while probing shard 3's ops (not reproduced alone).
 """
 
 from __future__ import annotations
