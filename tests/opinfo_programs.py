@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from parity import summed_gradients
 
 D, HEADS = 8, 2
 LENGTHS = (13, 22)  # odd and even; unlike any size in the samples, so no other dimension shares the symbol
@@ -365,14 +366,7 @@ def _run(model: SweepModel, call: Any, inputs: list[torch.Tensor], reduce: bool)
     loss = _loss(outputs, model.case_list)
     if loss.requires_grad:
         loss.backward()
-    grads = {}
-    for name, param in model.named_parameters():
-        if param.grad is not None:
-            grad = param.grad.detach().clone()
-            if reduce and dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(grad)
-            grads[name] = grad
-    return [[o.detach() for o in case] for case in outputs], grads
+    return [[o.detach() for o in case] for case in outputs], summed_gradients(model, reduce=reduce)
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:

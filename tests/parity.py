@@ -17,12 +17,9 @@ from model_zoo import ZOO, eager_reference, output_tensors
 RTOL, ATOL = 1e-5, 1e-5
 
 
-def compiled_run(model: torch.nn.Module, compiled: Any, case, inputs: dict, group=None, reduce: bool = True) -> tuple[Any, dict]:
-    """Outputs and parameter gradients of the compiled model; gradients summed over ``group``
-    (the SP group) unless ``reduce`` is False (a rank that ran alone)."""
-    model.zero_grad(set_to_none=True)
-    outputs = compiled(**inputs)
-    case.loss_of(outputs).backward()
+def summed_gradients(model: torch.nn.Module, group=None, reduce: bool = True) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient, summed over ``group`` (the SP group; the world if None) unless
+    ``reduce`` is False (a rank that ran alone): what DESIGN's parity law compares with eager."""
     grads = {}
     for name, param in model.named_parameters():
         if param.grad is None:
@@ -31,7 +28,16 @@ def compiled_run(model: torch.nn.Module, compiled: Any, case, inputs: dict, grou
         if reduce and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(grad, group=group)
         grads[name] = grad
-    return outputs, grads
+    return grads
+
+
+def compiled_run(model: torch.nn.Module, compiled: Any, case, inputs: dict, group=None, reduce: bool = True) -> tuple[Any, dict]:
+    """Outputs and parameter gradients of the compiled model; gradients summed over ``group``
+    (the SP group) unless ``reduce`` is False (a rank that ran alone)."""
+    model.zero_grad(set_to_none=True)
+    outputs = compiled(**inputs)
+    case.loss_of(outputs).backward()
+    return outputs, summed_gradients(model, group, reduce)
 
 
 def compare(case_name: str, length: int, reference: tuple, actual: tuple, rtol: float = RTOL, atol: float = ATOL) -> list[str]:

@@ -12,9 +12,10 @@ import traceback
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from parity import summed_gradients
 
 RTOL = ATOL = 1e-5
 HEAD_DIM = 8
@@ -97,14 +98,7 @@ def _run(model: nn.Module, call: Any, x: torch.Tensor, reduce: bool) -> tuple[to
     model.zero_grad(set_to_none=True)
     out = call(x)
     out.square().mean().backward()
-    grads = {}
-    for name, param in model.named_parameters():
-        if param.grad is not None:
-            grad = param.grad.detach().clone()
-            if reduce and dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(grad)
-            grads[name] = grad
-    return out.detach(), grads
+    return out.detach(), summed_gradients(model, reduce=reduce)
 
 
 def ring_worker(rank: int, world_size: int, names: list[str], lengths: list[int], inner: str = "eager") -> dict[str, Any]:

@@ -19,9 +19,10 @@ import traceback
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from parity import summed_gradients
 
 D, HEADS = 16, 2
 Op = Callable[["ProgramModel", torch.Tensor], torch.Tensor]
@@ -280,14 +281,7 @@ def run(model: nn.Module, call: Callable[[torch.Tensor], torch.Tensor], x: torch
     model.zero_grad(set_to_none=True)
     out = call(x)
     out.square().mean().backward()
-    grads = {}
-    for name, param in model.named_parameters():
-        if param.grad is not None:
-            grad = param.grad.detach().clone()
-            if group is not None and dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(grad)
-            grads[name] = grad
-    return out.detach(), grads
+    return out.detach(), summed_gradients(model, reduce=group is not None)
 
 
 def check_program(program: tuple[str, ...], lengths: list[int], rtol: float = 1e-5,
