@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import statistics
+import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -129,10 +130,13 @@ def profile(
         # a shared machine then spreads over every point instead of landing on a few.
         timings: list[list[Timing]] = [[] for _ in points]
         rounds = ["warm-up"] * max(1, warmup) + ["timed"] * max(1, repeats)
-        bar = tqdm(total=len(rounds) * len(points), desc="dcp.profile", unit="point", disable=not progress, leave=False)
+        # A terminal redraws the bar in place; a log file (not a TTY) would keep every redraw, so
+        # there it gets a line every 30 s.
+        bar = tqdm(total=len(rounds) * len(points), desc="dcp.profile", unit="point", disable=not progress, leave=False,
+                   mininterval=0.1 if sys.stderr.isatty() else 30.0)
         for kind in rounds:
             for index, ((variant, row), step) in enumerate(zip(points, steps)):
-                bar.set_postfix_str(f"{kind} {variant} {'+'.join(map(str, row))} tokens")
+                bar.set_postfix_str(f"{kind} {variant} {'+'.join(map(str, row))} tokens", refresh=False)
                 timing = time_step(step, device, repeats=1, warmup=0)
                 if kind == "timed":
                     timings[index].append(timing)
