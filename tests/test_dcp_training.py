@@ -238,4 +238,7 @@ def test_demo_runs_end_to_end(capfd) -> None:
     assert "communication measured on this world" in out
     assert re.search(r"DCP trained \d+\.\d\dx the tokens/s of static SP .* predicted \d+\.\d\dx", table), table
     assert re.search(r"Step by step .*: \d+\.\d\dx, 95% interval", table), table
+    # Timed by each rank's CPU clock (load-proof), with the wall clock's ratio beside it.
+    assert "process CPU time per micro-batch, composed along the plan" in table, table
+    assert re.search(r"On the wall clock, .* \d+\.\d\dx, step by step \d+\.\d\dx", table), table
     assert re.search(r"^\s+dcp\s+\d\s+\w+\s+[\d+-]+\s+\d+", table[table.index("Where the prediction misses"):], re.MULTILINE), table

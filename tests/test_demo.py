@@ -56,3 +56,41 @@ def test_prediction_misses_are_told_per_kind_of_micro_batch() -> None:
     assert set(rows) == {("dcp", "1", "full", "2-8"), ("dcp", "1", "none", "9-32"), ("static", "2", "full", "1")}
     assert rows[("dcp", "1", "full", "2-8")].split()[4:] == ["2", "1,500", "4.000", "2.000", "-50%"]
     assert rows[("dcp", "1", "none", "9-32")].endswith("+20%")
+
+
+def test_a_step_on_dedicated_cores_waits_for_each_group_and_for_the_gradient_sync() -> None:
+    from dcp_compile.demo.dedicated_cores import RankWork, composed_step_seconds
+
+    # Rank 0 runs a long SP-1 batch, then an SP-2 one with rank 1, then a short SP-1 batch; rank 1
+    # runs a short one, the SP-2 one, then a long one. Per-rank sums are 1+2+0.5 and 0.2+2+1.5;
+    # with the SP-2 batch starting when rank 0 is ready, rank 1 ends at 1+2+1.5.
+    rank0 = [RankWork((1,), (0,), 1.0), RankWork((2, 3), (0, 1), 2.0), RankWork((4,), (0,), 0.5)]
+    rank1 = [RankWork((5,), (1,), 0.2), RankWork((2, 3), (0, 1), 2.0), RankWork((6,), (1,), 1.5)]
+    assert composed_step_seconds([rank0, rank1], [0.1, 0.3]) == pytest.approx(1.0 + 2.0 + 1.5 + 0.3)
+    assert composed_step_seconds([[], []], [0.0, 0.0]) == 0.0
+    crossed = [[RankWork((1,), (0, 1), 1.0), RankWork((2,), (0, 1), 1.0)],
+               [RankWork((2,), (0, 1), 1.0), RankWork((1,), (0, 1), 1.0)]]
+    with pytest.raises(ValueError, match="cannot meet"):
+        composed_step_seconds(crossed, [0.0, 0.0])
+
+
+def test_a_single_threaded_cpu_is_timed_by_its_process_cpu_clock_and_the_profile_says_so() -> None:
+    from dcp_compile.device_profile.device_timing import clock_for, time_step
+    from dcp_compile.schedule.measured_costs import Clock
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert clock_for(torch.device("cpu")) is Clock.PROCESS_CPU
+        timing = time_step(lambda: torch.ones(64, 64) @ torch.ones(64, 64), torch.device("cpu"), repeats=2)
+        assert timing.clock is Clock.PROCESS_CPU and timing.seconds > 0
+        if threads > 1:
+            torch.set_num_threads(2)  # CPU time would sum the threads: the wall clock is kept
+            assert clock_for(torch.device("cpu")) is Clock.DEVICE_WALL
+    finally:
+        torch.set_num_threads(threads)
+    old_file = {k: v for k, v in _profile(1.0).items() if k != "clock"}
+    costs = MeasuredCosts.from_dict(old_file)
+    assert costs.clock is Clock.DEVICE_WALL  # written before the field existed: wall time
+    again = MeasuredCosts.from_dict({**costs.to_dict(), "clock": Clock.PROCESS_CPU.value})
+    assert again.clock is Clock.PROCESS_CPU and again.to_dict()["clock"] == Clock.PROCESS_CPU.value

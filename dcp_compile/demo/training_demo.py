@@ -45,7 +45,10 @@ import torch.distributed as dist
 
 import dcp_compile as dcp
 from dcp_compile.compiler.progress import compile_progress
+from dcp_compile.demo.dedicated_cores import RankWork, composed_step_seconds
 from dcp_compile.demo.example_models import TinyGPT
+from dcp_compile.device_profile.device_timing import DeviceStopwatch, clock_for
+from dcp_compile.schedule.measured_costs import Clock
 
 VOCAB = 512
 HIDDEN = 256  # wide enough that a token's work outweighs a micro-batch's fixed overhead on a CPU (at 128 the
@@ -197,10 +200,9 @@ def measure_communication(compiled, model: torch.nn.Module, measured: Sequence[d
         times = []
         for _ in range(5):
             _barrier()
-            start = time.perf_counter()
+            watch = DeviceStopwatch(device).start()
             packed_loss(compiled, variant, packed).backward()
-            _synchronize(device)
-            times.append(time.perf_counter() - start)
+            times.append(watch.elapsed())
         model.zero_grad(set_to_none=True)
         measured_seconds = _world_max(statistics.median(times), device)
         extra.append(max(measured_seconds - compute.seconds([length]), 0.0))
@@ -241,10 +243,9 @@ def probe_machine(compiled, model: torch.nn.Module, cost_model: dcp.CostModel, w
         times = []
         for _ in range(3):
             _barrier()
-            start = time.perf_counter()
+            watch = DeviceStopwatch(device).start()
             packed_loss(compiled, variant, packed).backward()
-            _synchronize(device)
-            times.append(time.perf_counter() - start)
+            times.append(watch.elapsed())
         model.zero_grad(set_to_none=True)
         return _world_max(statistics.median(times), device)
 
@@ -306,6 +307,13 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _load_average() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "unknown"
+
+
 def _world_max(value: float, device: torch.device) -> float:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
@@ -324,7 +332,8 @@ def _barrier() -> None:
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class StepResult:
-    seconds: float  # wall time of the step (the slowest rank, including gradient sync and optimizer)
+    seconds: float  # the step on the device clock, gradient sync and optimizer included (see _gather_step)
+    wall_seconds: float  # the step on the wall clock (the slowest rank): what a shared machine's load moves
     busy: list[float]  # per rank: forward/backward time before the gradient sync
     loss: float  # mean token loss over the step's global batch
     tokens: int  # tokens of the step (packed rows: every computed position is a token)
@@ -410,47 +419,69 @@ def padding_fraction(microbatches: Sequence[dcp.MicroBatch]) -> float:
     return 1 - real / computed if computed else 0.0
 
 
+@dataclass(frozen=True)
+class RankStep:
+    """One rank's step: its micro-batches' times on the device clock (process CPU time on a
+    single-threaded CPU rank, synchronised wall time on a GPU), the rest of the step on that clock,
+    the wall time, and its share of the step loss."""
+
+    work: tuple[RankWork, ...]
+    compute: float  # forward and backward of every micro-batch
+    tail: float  # gradient sync and optimizer step
+    wall: float  # the whole step on the wall clock (what a shared machine's load also moves)
+    loss_share: float
+
+
 def run_step(compiled, model, optimizer, dataset, work: Sequence[tuple[dcp.MicroBatch, dcp.Variant, bool]],
-             device: torch.device, durations: list[float] | None = None) -> tuple[float, float, float]:
+             device: torch.device) -> RankStep:
     """One optimizer step over ``work`` = this rank's (micro-batch, variant, counts its loss) list.
 
-    Returns (elapsed, busy, this rank's share of the step loss). The step loss is the sum over
-    micro-batches of ``loss * loss_scale``, counted by one rank of each micro-batch's group. The
-    micro-batches are packed before the clock starts, as a ``DataLoader``'s workers would have
-    them ready: what is timed is what the cost model prices (the compiled forward and backward).
-    ``durations`` (CPU only, where every op is done when it returns) gets each micro-batch's time.
+    The step loss is the sum over micro-batches of ``loss * loss_scale``, counted by one rank of
+    each micro-batch's group. The micro-batches are packed before the clock starts, as a
+    ``DataLoader``'s workers would have them ready: what is timed is what the cost model prices
+    (the compiled forward and backward). Each micro-batch is timed on its own only on a CPU, where
+    every op is done when it returns (on a GPU that would need a synchronisation per micro-batch).
     """
     batches = [pack(dataset, mb.indices, device) for mb, _, _ in work]
     _barrier()
-    start = time.perf_counter()
+    wall_start = time.perf_counter()
+    step_watch = DeviceStopwatch(device).start()
     counted = []
+    per_microbatch = device.type == "cpu"
+    timed: list[RankWork] = []
     for (mb, variant, counts), batch in zip(work, batches):
-        began = time.perf_counter()
+        watch = DeviceStopwatch(device) if per_microbatch else None
         loss = packed_loss(compiled, variant, batch) * mb.loss_scale
         loss.backward()
         if counts:
             counted.append(loss.detach())
-        if durations is not None:
-            durations.append(time.perf_counter() - began)
-    _synchronize(device)
-    busy = time.perf_counter() - start
+        if watch is not None:
+            timed.append(RankWork(tuple(mb.indices), tuple(mb.group_ranks), watch.elapsed()))
+    compute = step_watch.elapsed()
     loss_share = float(sum(counted)) if counted else 0.0
     dcp.sync_gradients(model)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    _synchronize(device)
-    return time.perf_counter() - start, busy, loss_share
+    total = step_watch.elapsed()
+    return RankStep(tuple(timed), compute, total - compute, time.perf_counter() - wall_start, loss_share)
 
 
-def _gather_step(elapsed: float, busy: float, loss_share: float, device: torch.device) -> tuple[float, list[float], float]:
-    local = torch.tensor([elapsed, busy, loss_share], dtype=torch.float64, device=device)
+def _gather_step(mine: RankStep, device: torch.device) -> tuple[float, float, list[float], float]:
+    """(step seconds, step wall seconds, compute seconds per rank, step loss) over every rank.
+
+    The step's seconds: on a GPU the slowest rank's synchronised time; on single-threaded CPU ranks
+    each rank's measured CPU time per micro-batch composed along the plan with its waits
+    (:func:`.dedicated_cores.composed_step_seconds`): the step on cores of its own."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, local)
+        ranks: list = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
     else:
-        gathered = [local]
-    rows = [t.tolist() for t in gathered]
-    return max(r[0] for r in rows), [r[1] for r in rows], sum(r[2] for r in rows)
+        ranks = [mine]
+    if clock_for(device) is Clock.PROCESS_CPU and all(r.work or r.compute == 0 for r in ranks):
+        seconds = composed_step_seconds([r.work for r in ranks], [r.tail for r in ranks])
+    else:
+        seconds = max(r.compute + r.tail for r in ranks)
+    return seconds, max(r.wall for r in ranks), [r.compute for r in ranks], sum(r.loss_share for r in ranks)
 
 
 def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", seed: int = 0,
@@ -548,9 +579,8 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
         lines = {}
         for name in (("dcp", "static") if step.step % 2 == 0 else ("static", "dcp")):
             model.load_state_dict(weights[name])
-            durations: list[float] | None = [] if device.type == "cpu" else None
-            elapsed, busy, share = run_step(compiled, model, optimizers[name], dataset, runs[name], device, durations)
-            for (mb, variant, _), duration in zip(runs[name], durations or ()):
+            mine = run_step(compiled, model, optimizers[name], dataset, runs[name], device)
+            for (mb, variant, _), duration in zip(runs[name], (w.seconds for w in mine.work)):
                 sample_lengths = [lengths[i] for i in mb.indices]
                 compute = silent.time(sample_lengths, variant.sp_size, variant.recompute)
                 communication = cost_model.time(sample_lengths, variant.sp_size, variant.recompute) - compute
@@ -558,7 +588,7 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
                     name, rank, variant.sp_size, str(variant.recompute), len(mb.indices), mb.tokens, duration,
                     speed.compute * compute + speed.communication * communication))
             weights[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            seconds, busy_all, loss = _gather_step(elapsed, busy, share, device)
+            seconds, wall_seconds, busy_all, loss = _gather_step(mine, device)
             if name == "dcp":
                 predicted = step.predicted_makespan
                 adjusted_ranks = at_speed(cost_model, silent, every, lengths, speed, world_size)
@@ -570,13 +600,13 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
                                 for mb in static)
                 adjusted_ranks = at_speed(cost_model, silent, static, lengths, speed, world_size)
                 sp_counts = {world_size: len(static)}
-            result = StepResult(seconds=seconds, busy=busy_all, loss=loss, tokens=step.tokens,
+            result = StepResult(seconds=seconds, wall_seconds=wall_seconds, busy=busy_all, loss=loss, tokens=step.tokens,
                                 predicted=predicted, adjusted=max(adjusted_ranks), microbatches=len(every) if name == "dcp" else len(static),
                                 sp_sizes=sp_counts)
             results[name].append(result)
             label = "DCP:   " if name == "dcp" else "static:"
             lines[name] = (
-                f"{label} measured {seconds:.3f} s (predicted {predicted:.3f} s as profiled) | busy per rank "
+                f"{label} measured {seconds:.3f} s (wall {wall_seconds:.3f} s; predicted {predicted:.3f} s as profiled) | busy per rank "
                 + ", ".join(f"{b:.3f}" for b in busy_all) + " s (predicted at the probed speed "
                 + ", ".join(f"{p:.3f}" for p in adjusted_ranks) + f") | loss {loss:.4f} | "
                 f"{result.tokens_per_s:,.0f} tokens/s"
@@ -587,7 +617,7 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
     dcp_results, static_results = results["dcp"], results["static"]
 
     mechanisms = mechanism_lines(cost_model, all_dcp, all_static, lengths, world_size, static_policy)
-    summary = summarize(dcp_results, static_results, world_size, mechanisms)
+    summary = summarize(dcp_results, static_results, world_size, mechanisms, clock_for(device))
     if distributed:
         every_rank: list = [None] * world_size
         dist.all_gather_object(every_rank, timings)
@@ -606,6 +636,9 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
         "speedup": summary["speedup"],
         "predicted_speedup": summary["predicted_speedup"],
         "paired_speedup": summary["paired_speedup"],
+        "wall_speedup": summary["wall_speedup"],
+        "wall_paired_speedup": summary["wall_paired_speedup"],
+        "clock": clock_for(device).value,
         "prediction_errors": summary["prediction_errors"],
         "static_policy": static_policy.value,
         "microbatch_timings": [t.__dict__ for t in timings],
@@ -670,8 +703,15 @@ def paired_ratio(ratios: Sequence[float]) -> tuple[float, float, float]:
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
+def clock_sentence(clock: Clock) -> str:
+    if clock is Clock.PROCESS_CPU:
+        return ("each rank's process CPU time per micro-batch, composed along the plan with the waits its SP groups "
+                "and gradient sync impose: the step on cores of its own, whatever else the machine runs")
+    return "each step's synchronised wall time, slowest rank"
+
+
 def summarize(dcp_results: Sequence[StepResult], static_results: Sequence[StepResult], world_size: int,
-              mechanisms: Sequence[str] = ()) -> dict:
+              mechanisms: Sequence[str] = (), clock: Clock = Clock.DEVICE_WALL) -> dict:
     header = (f"{'step':>4}  {'tokens':>6}  {'DCP s':>7}  {'static s':>8}  {'DCP tok/s':>9}  "
               f"{'static tok/s':>12}  {'DCP/static':>10}  {'predicted':>9}  {'DCP loss':>8}  {'static loss':>11}")
     lines = ["=== DCP vs static SP: same steps, same initial weights (measured on this machine) ===", header]
@@ -704,12 +744,24 @@ def summarize(dcp_results: Sequence[StepResult], static_results: Sequence[StepRe
     static_raw_error = static_predicted / static_busy - 1 if static_busy > 0 else math.nan
     max_difference = max((abs(a.loss - b.loss) for a, b in zip(dcp_results, static_results)), default=0.0)
     paired, low, high = paired_ratio([b.seconds / a.seconds for a, b in zip(dcp_results, static_results) if a.seconds > 0])
+    dcp_wall = sum(r.wall_seconds for r in dcp_results)
+    static_wall = sum(r.wall_seconds for r in static_results)
+    wall_speedup = static_wall / dcp_wall if dcp_wall > 0 else math.nan
+    wall_paired = paired_ratio([b.wall_seconds / a.wall_seconds for a, b in zip(dcp_results, static_results)
+                                if a.wall_seconds > 0])
+    wall_line = [] if clock is not Clock.PROCESS_CPU else [
+        f"On the wall clock, which also counts the time this shared machine gave to other processes (load "
+        f"{_load_average()}): {wall_speedup:.2f}x, step by step {wall_paired[0]:.2f}x (95% interval "
+        f"{wall_paired[1]:.2f}-{wall_paired[2]:.2f}x). That ratio moves with the load (0.92x at load 30, 1.16x at "
+        "load 5 in benchmarks/results/demo_runs_cpu.md); the CPU-time one above is the schedules' own difference."]
     lines += [
         "",
-        f"DCP trained {speedup:.2f}x the tokens/s of static SP over {len(dcp_results)} steps (measured; the profiled "
-        f"cost model predicted {adjusted:.2f}x at the machine's probed speed, {predicted:.2f}x as profiled). Step by "
-        f"step (each step's two runs back to back, so a slow phase of the machine hits both): {paired:.2f}x, 95% "
-        f"interval {low:.2f}-{high:.2f}x. Predicted vs measured busy time (forward + backward, slowest rank, summed "
+        f"DCP trained {speedup:.2f}x the tokens/s of static SP over {len(dcp_results)} steps (measured: "
+        f"{clock_sentence(clock)}; the profiled cost model, measured on the same clock, "
+        f"predicted {adjusted:.2f}x at the machine's probed speed, {predicted:.2f}x as profiled). Step by "
+        f"step (each step's two runs back to back): {paired:.2f}x, 95% interval {low:.2f}-{high:.2f}x.",
+        *wall_line,
+        f"Predicted vs measured busy time (forward + backward, slowest rank, summed "
         f"over steps) at the probed speed: DCP {100 * dcp_error:+.0f}%, static SP {100 * static_error:+.0f}%; as "
         f"profiled: DCP {100 * dcp_raw_error:+.0f}%, static SP {100 * static_raw_error:+.0f}% (the load of a shared "
         "machine moves between the profile and each step; two probe micro-batches before each step measure it).",
@@ -723,7 +775,7 @@ def summarize(dcp_results: Sequence[StepResult], static_results: Sequence[StepRe
         "effects are this machine's: they predict nothing about a GPU cluster (see benchmarks/results/replay_*.md).",
     ]
     return {"table": "\n".join(lines), "max_loss_difference": max_difference, "speedup": speedup,
-            "paired_speedup": (paired, low, high),
+            "paired_speedup": (paired, low, high), "wall_speedup": wall_speedup, "wall_paired_speedup": wall_paired,
             "predicted_speedup": adjusted, "profiled_speedup": predicted,
             "prediction_errors": (dcp_error, static_error)}
 

@@ -22,7 +22,7 @@ from dcp_compile.schedule.model_profile import ModelProfile
 from dcp_compile.schedule.profiling import call_with_inputs
 from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, Variant
 
-from .device_timing import Timing, device_name, software_versions, time_step
+from .device_timing import Timing, clock_for, device_name, software_versions, time_step
 from .fake_world import fake_world
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ def profile(
     measured = MeasuredCosts(
         device=device_name(device), software=software_versions(device), fits=fits, measurements=tuple(fitted),
         held_out=held_out_errors(fits, kept_out), memory_measured=device.type == "cuda", notes=tuple(notes),
-        score_layout=layout,
+        score_layout=layout, clock=clock_for(device),
     )
     cost_model = CostModel(prior, hardware, optimizer_shards=optimizer_shards, measured=measured)
     summary = measured.held_out_summary()

@@ -17,6 +17,8 @@ range too) measure how far the fit can be trusted: :attr:`MeasuredCosts.held_out
 
 from __future__ import annotations
 
+import enum
+
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -60,6 +62,19 @@ class Measurement:
         if len(self.repeats) < 2 or self.seconds <= 0:
             return 0.0
         return (max(self.repeats) - min(self.repeats)) / self.seconds
+
+
+class Clock(str, enum.Enum):
+    """What a measured second is.
+
+    On a single-threaded CPU rank the process's CPU time is the device's time: on a shared machine
+    the wall clock also counts the time the OS gave to other processes, which moved the demo's
+    ratios by more than the schedules differ (0.92x at load 30, 1.16x at load 5); the process's
+    CPU time of the same work moved by about 5%. With several threads per process, CPU time sums
+    the threads, so the wall clock is kept."""
+
+    DEVICE_WALL = "wall time (device synchronised)"
+    PROCESS_CPU = "process CPU time (user + system, one thread)"
 
 
 @dataclass(frozen=True)
@@ -116,9 +131,11 @@ class MeasuredCosts:
     memory_measured: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
     score_layout: ScoreLayout = ScoreLayout.PER_SEQUENCE  # the attention kernel's, on this device
+    clock: Clock = Clock.DEVICE_WALL  # what a second of these measurements is
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "score_layout", ScoreLayout(self.score_layout))
+        object.__setattr__(self, "clock", Clock(self.clock))
 
     def fit_for(self, sp_size: int, recompute: RecomputePolicy | str) -> VariantFit | None:
         recompute = RecomputePolicy.parse(recompute)
@@ -154,6 +171,7 @@ class MeasuredCosts:
             "memory_measured": self.memory_measured,
             "notes": list(self.notes),
             "score_layout": self.score_layout.value,
+            "clock": self.clock.value,
             "fits": [_plain(asdict(f)) for f in self.fits],
             "measurements": [_plain(asdict(m)) for m in self.measurements],
             "held_out": [{"measurement": _plain(asdict(h.measurement)), "predicted": h.predicted} for h in self.held_out],
@@ -173,6 +191,7 @@ class MeasuredCosts:
             memory_measured=bool(data.get("memory_measured", False)),
             notes=tuple(data.get("notes", ())),
             score_layout=ScoreLayout(data.get("score_layout", ScoreLayout.PER_SEQUENCE.value)),
+            clock=Clock(data.get("clock", Clock.DEVICE_WALL.value)),  # files from before the field: wall time
         )
 
 
@@ -286,13 +305,14 @@ def slowest_of(profiles: Sequence[MeasuredCosts]) -> MeasuredCosts:
     notes = (*first.notes, f"each point the slowest of {len(profiles)} processes measuring at once")
     return MeasuredCosts(device=first.device, software=first.software, fits=fits, measurements=tuple(fitted),
                          held_out=held_out_errors(fits, kept_out), memory_measured=first.memory_measured, notes=notes,
-                         score_layout=first.score_layout)
+                         score_layout=first.score_layout, clock=first.clock)
 
 
 def markdown_report(costs: MeasuredCosts, title: str = "Profiled cost model") -> str:
     """The fits and held-out errors as a Markdown page (what ``benchmarks/results/profile_<device>.md`` holds)."""
     lines = [f"# {title}: {costs.device}", ""]
-    lines.append("Measured: " + ", ".join(f"{k} {v}" for k, v in sorted(costs.software.items())) + ".")
+    lines.append("Measured: " + ", ".join(f"{k} {v}" for k, v in sorted(costs.software.items()))
+                 + f"; every second is {costs.clock.value}.")
     lines += ["", *[f"- {note}" for note in costs.notes], ""]
     summary = costs.held_out_summary()
     if summary:
