@@ -11,7 +11,8 @@ Laid out as PyTorch's DTensor op rules are (``torch/distributed/tensor/_ops/``):
   ``view_rules``, ``indexing_rules`` (with joint segments), ``reduction_rules``,
   ``matmul_rules``, ``token_sets`` (an MoE's sorted tokens), ``elementwise_rules``,
   ``grid_rules`` (token grids run on each rank's window), ``schema_reductions`` (any reduction,
-  read off its schema and shapes), ``inplace_writes`` (buffers written in place: default deny);
+  read off its schema and shapes), ``decomposition_rules`` (any op torch can decompose, read
+  through its decomposition), ``inplace_writes`` (buffers written in place: default deny);
 * ``propagation``: the driver (attention length, then roles in topological order) and the pass.
 
 Every node gets a role (see ``Role``): a *source* creates a sequence dimension, *token-local* ops
@@ -22,7 +23,7 @@ run on a chunk, *attention* runs under Ulysses, *sequence-mixing* ops are gather
 from __future__ import annotations
 
 from dcp_compile.compiler.passes.sequence_dims import (  # noqa: F401  (each registers its rules)
-    attention_rules, elementwise_rules, grid_rules, indexing_rules, inplace_writes, matmul_rules, reduction_rules,
+    attention_rules, decomposition_rules, elementwise_rules, grid_rules, indexing_rules, inplace_writes, matmul_rules, reduction_rules,
     schema_reductions, token_sets, view_rules,
 )
 from dcp_compile.compiler.passes.sequence_dims.model import (

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Rewrite, Role, SequenceAnalysis, SequenceDim
-from dcp_compile.compiler.passes.sequence_dims.registry import mixing, op_name, rule, single, sized_source
+from dcp_compile.compiler.passes.sequence_dims.registry import argument, mixing, op_name, rule, single, sized_source
 from dcp_compile.compiler.passes.sequence_dims.symbolic import (
     equal, expression, is_empty, normalize, shape_of, value_of,
 )
@@ -221,10 +221,35 @@ def joint_concatenation(node: fx.Node, analysis: SequenceAnalysis, tensors: list
     return NodeRole(Role.TOKEN_LOCAL, (joint,), (sharded,), reason="joint sequence: replicated segments around the chunk")
 
 
+TABLE_GATHERED = "an embedding lookup into a sequence-indexed table (rows picked by id, not by position): the table is gathered"
+
+
 @rule(aten.embedding.default)
 def embedding_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
-    indices = node.args[1]
-    return NodeRole(Role.TOKEN_LOCAL, analysis.dims_of(indices), (indices,) if analysis.dims_of(indices) else ())
+    """Rows of the table picked per token: token-local in the ids. A table indexed by the
+    sequence itself (a position table looked up by arbitrary ids) is read whole on every rank."""
+    table, indices = node.args[:2]
+    dims = analysis.dims_of(indices)
+    if analysis.dims_of(table):
+        if not dims:
+            return mixing(TABLE_GATHERED)
+        return NodeRole(Role.TOKEN_LOCAL, dims, (indices,), TABLE_GATHERED)
+    return NodeRole(Role.TOKEN_LOCAL, dims, (indices,) if dims else ())
+
+
+@rule(aten.flip.default, aten.roll.default)
+def reorder_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+    """``flip`` and ``roll`` reorder positions along the dimensions they name: along others the
+    tokens stay where they are. A ``roll`` with no dimension rolls the flattened value."""
+    source = node.args[0]
+    rank = value_of(source).dim()
+    named = argument(node, "dims", [])
+    if not named:
+        return mixing(f"{op_name(node)} of the flattened value")
+    dims = analysis.dims_of(source)
+    if any(seq.dim in {normalize(d, rank) for d in named} for seq in dims):
+        return mixing(f"{op_name(node)} along the sequence dimension")
+    return NodeRole(Role.TOKEN_LOCAL, dims, (source,))
 
 
 @rule(aten.pad.default, aten.constant_pad_nd.default)

@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Rewrite, Role, SequenceAnalysis
-from dcp_compile.compiler.passes.sequence_dims.registry import mixing, op_name, rule, single
+from dcp_compile.compiler.passes.sequence_dims.registry import argument, mixing, op_name, rule, single
 from dcp_compile.compiler.passes.sequence_dims.symbolic import normalize, value_of
 
 aten = torch.ops.aten
@@ -37,14 +37,16 @@ def scan_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 def reduction_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     source = node.args[0]
     rank = value_of(source).dim()
-    raw = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    # Read off the schema: ``norm.ScalarOpt_dim`` has ``p`` before ``dim``, ``var.dim`` has
+    # ``unbiased`` before ``keepdim``.
+    raw = argument(node, "dim")
     if raw is None or (isinstance(raw, (list, tuple)) and len(raw) == 0):
         reduced = set(range(rank))
     elif isinstance(raw, int):
         reduced = {normalize(raw, rank)}
     else:
         reduced = {normalize(d, rank) for d in raw}
-    keepdim = bool(node.args[2]) if len(node.args) > 2 and isinstance(node.args[2], bool) else bool(node.kwargs.get("keepdim", False))
+    keepdim = bool(argument(node, "keepdim", False))
     dims = []
     for seq in analysis.dims_of(source):
         if seq.dim in reduced:

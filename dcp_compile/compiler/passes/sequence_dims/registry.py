@@ -70,6 +70,7 @@ class Stage(Enum):
     GROUPED_MATMUL = "a grouped matmul (an MoE's experts)"
     SCHEMA_REDUCTION = "a reduction with no rule of its own, read off its schema (dim, keepdim) and shapes"
     WRITTEN_ALIAS = "a buffer (or a view of one) written in place where no rule proved the write chunk-aligned"
+    DECOMPOSITION = "an op with no rule of its own, read through its decomposition"
 
 
 STAGE_RULES: dict[Stage, StageRule] = {}
@@ -113,6 +114,19 @@ def single(dims: tuple[SequenceDim, ...]) -> SequenceDim | None:
 def mixing(reason: str, rewrite: Rewrite | None = None, aligned: tuple[fx.Node, ...] = ()) -> NodeRole:
     """Sequence-mixing: gathered with ``reason``, unless ``rewrite`` lowers it on chunks."""
     return NodeRole(Role.MIXING, (), aligned, reason, rewrite)
+
+
+def argument(node: fx.Node, name: str, default: Any = None) -> Any:
+    """The argument called ``name`` in the op's schema, positional or keyword, or its default."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return default
+    for position, spec in enumerate(target._schema.arguments):
+        if spec.name == name:
+            if position < len(node.args):
+                return node.args[position]
+            return node.kwargs.get(name, spec.default_value if spec.has_default_value() else default)
+    return default
 
 
 def op_name(node: fx.Node) -> str:
@@ -250,7 +264,9 @@ def classify(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     7. an elementwise op (``pointwise``);
     8. a reduction read off its schema and shapes (``Stage.SCHEMA_REDUCTION``: token-local over
        other dimensions, whatever the op);
-    9. anything else over the sequence: sequence-mixing, "no sharding rule".
+    9. an op torch can decompose, read through its decomposition (``Stage.DECOMPOSITION``:
+       token-local only where every op of it is and none can tell a chunk from the sequence);
+    10. anything else over the sequence: sequence-mixing, "no sharding rule".
 
     Then :func:`_settle` corrects what a rule cannot see: a value created with the sequence's
     size is a source, and a second sequence dimension appearing makes the op mixing.
@@ -287,6 +303,8 @@ def classify(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
         result = pointwise(node, analysis) if has_sequence_input else NodeRole(Role.NONE)
     elif has_sequence_input and (reduction := STAGE_RULES[Stage.SCHEMA_REDUCTION](node, analysis)) is not None:
         result = reduction
+    elif has_sequence_input and (decomposed := STAGE_RULES[Stage.DECOMPOSITION](node, analysis)) is not None:
+        result = decomposed
     elif has_sequence_input:
         result = mixing(f"no sharding rule for {op_name(node)}")
     else:
@@ -295,7 +313,18 @@ def classify(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 
 def _settle(node: fx.Node, analysis: SequenceAnalysis, result: NodeRole, has_sequence_input: bool) -> NodeRole:
-    """What the rule's answer means for the value it produces."""
+    """What the rule's answer means for the value it produces, with a reason wherever a
+    sequence-indexed input is not kept on the chunk (the sharding gathers it and says why)."""
+    settled = _settle_role(node, analysis, result, has_sequence_input)
+    if not settled.reason and settled.role in (Role.NONE, Role.TOKEN_LOCAL, Role.MIXING):
+        unaligned = [n.name for n in sequence_inputs(node, analysis) if n not in settled.aligned_inputs]
+        if unaligned:
+            settled.reason = (f"{op_name(node)} reads {', '.join(unaligned)} whole: its rule keeps no chunk of "
+                              f"{'it' if len(unaligned) == 1 else 'them'}")
+    return settled
+
+
+def _settle_role(node: fx.Node, analysis: SequenceAnalysis, result: NodeRole, has_sequence_input: bool) -> NodeRole:
     if result.role is Role.NONE or (result.role is Role.TOKEN_LOCAL and not result.sequence_dims):
         if not has_sequence_input or result.role is Role.NONE:
             created = sized_source(node, analysis)

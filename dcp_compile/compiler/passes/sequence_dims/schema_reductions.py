@@ -14,23 +14,12 @@ An op with a ``dim`` argument but no reduction shape (``renorm`` normalises the 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.fx as fx
 
 from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Role, SequenceAnalysis
-from dcp_compile.compiler.passes.sequence_dims.registry import Stage, mixing, op_name, stage_rule
+from dcp_compile.compiler.passes.sequence_dims.registry import Stage, argument, mixing, op_name, stage_rule
 from dcp_compile.compiler.passes.sequence_dims.symbolic import equal, normalize, shape_of, value_of
-
-
-def _argument(node: fx.Node, schema: Any, name: str, default: Any = None) -> Any:
-    for position, argument in enumerate(schema.arguments):
-        if argument.name == name:
-            if position < len(node.args):
-                return node.args[position]
-            return node.kwargs.get(name, argument.default_value if argument.has_default_value() else default)
-    return default
 
 
 def reduced_dimensions(node: fx.Node) -> tuple[set[int], bool] | None:
@@ -47,8 +36,8 @@ def reduced_dimensions(node: fx.Node) -> tuple[set[int], bool] | None:
     if not isinstance(source_value, torch.Tensor):
         return None
     rank = source_value.dim()
-    raw = _argument(node, schema, "dim")
-    keepdim = bool(_argument(node, schema, "keepdim", False))
+    raw = argument(node, "dim")
+    keepdim = bool(argument(node, "keepdim", False))
     if raw is None or (isinstance(raw, (list, tuple)) and len(raw) == 0):
         reduced = set(range(rank))
     elif isinstance(raw, int):

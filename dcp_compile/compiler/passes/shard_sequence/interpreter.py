@@ -252,10 +252,19 @@ class ShardingInterpreter(fx.Interpreter):
             gathered = self.gather(value, self.seq_of(node))
         self.full[node] = gathered
         if consumer is not None:
-            record = GatherRecord(node.name, consumer.name, reason or self.analysis.roles[consumer].reason)
+            record = GatherRecord(node.name, consumer.name, reason or self._gather_reason(node, consumer))
             self.gathers.append(record)
             log.info("dcp: %s", record)
         return gathered
+
+    def _gather_reason(self, node: fx.Node, consumer: fx.Node) -> str:
+        """The consumer's recorded reason; the analysis gives every op that reads a
+        sequence-indexed input whole one (``registry._settle``), this names what is left."""
+        role = self.analysis.roles.get(consumer)
+        if role is not None and role.reason:
+            return role.reason
+        label = role.role.value if role is not None else "unclassified"
+        return f"{_op_label(consumer)} ({label}) reads {node.name} whole"
 
     def _selected_from_full_source(self, node: fx.Node, reason: str, consumer: fx.Node | None) -> Any:
         """A selection across the batch (``hidden[i]``) of a chunked value, in full, from one gather.

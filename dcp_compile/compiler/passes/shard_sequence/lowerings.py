@@ -26,9 +26,16 @@ class CannotShard(Exception):
 
 @dataclass
 class GatherRecord:
+    """An all-gather of ``node`` before ``op``; every one says why (issue 24: never a silent gather)."""
+
     node: str
     op: str
     reason: str
+
+    def __post_init__(self) -> None:
+        if not self.reason.strip():
+            raise ValueError(f"dcp: the all-gather of {self.node} before {self.op} has no reason; the sequence "
+                             "analysis must give every gathered op one (a rule returned an empty reason)")
 
     def __str__(self) -> str:
         return f"all-gather of {self.node} before {self.op}: {self.reason}"
