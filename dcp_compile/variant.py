@@ -67,6 +67,9 @@ class Variant:
     sp_size: int = 1
     recompute: RecomputePolicy = RecomputePolicy.NONE
     packed: bool = False  # several sequences concatenated in one row: attention runs varlen over them
+    # Packed only, set by the dispatcher from the measured kernel table per call (never by a plan):
+    # None runs the dcp:: varlen op, "flex" FlexAttention with a document mask.
+    attention: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", RecomputePolicy.parse(self.recompute))
@@ -75,6 +78,10 @@ class Variant:
         if not isinstance(self.packed, bool):
             raise TypeError(f"dcp: Variant.packed must be a bool, got {self.packed!r} (memory_budget is gone: "
                             "recompute='selective' now keeps exactly the matmul outputs)")
+        if self.attention is not None and not (self.packed and isinstance(self.attention, str)):
+            raise ValueError(f"dcp: Variant.attention ({self.attention!r}) names a packed micro-batch's attention "
+                             "implementation: the dispatcher sets it; leave it None")
 
     def __str__(self) -> str:
-        return f"sp={self.sp_size}/recompute={self.recompute.value}{'/packed' if self.packed else ''}"
+        attention = f"/{self.attention}" if self.attention else ""
+        return f"sp={self.sp_size}/recompute={self.recompute.value}{'/packed' if self.packed else ''}{attention}"

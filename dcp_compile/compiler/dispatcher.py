@@ -9,6 +9,7 @@ variant. Variants compile lazily, on the first call that needs them, from the on
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
@@ -30,7 +31,9 @@ from dcp_compile.runtime.graph_parameters import note_graph_call, note_graph_out
 from dcp_compile.runtime.process_groups import sp_group
 from dcp_compile.compiler.record import GraphRecord, VariantRecord
 from dcp_compile.compiler.self_check import check_first_call
-from dcp_compile.compiler.variant_selection import BucketTable, active_variant
+from dcp_compile.compiler.variant_selection import BucketTable, active_sequence_boundaries, active_variant
+from dcp_compile.compiler.passes.use_varlen_attention import choose_packed_attention, packed_sites
+from dcp_compile.kernels.attention_choice import VarlenKernel
 from dcp_compile.variant import Variant
 
 log = logging.getLogger(__name__)
@@ -87,6 +90,8 @@ class Dispatcher:
         self.read_length = make_length_reader(sequence.length if sequence else None, fake_inputs)
         self.buckets = BucketTable(list(options.buckets))
         self.static_variant = Variant(options.sp_size or world_size(), options.recompute)
+        self.packed_sites = packed_sites(analysed)  # what the packed kernel choice reads per call
+        self.packed_reasons: dict[Variant, str] = {}  # why each packed variant's kernel was chosen (first call)
 
     def select(self, args: tuple) -> tuple[Variant, str]:
         variant = active_variant()
@@ -103,8 +108,25 @@ class Dispatcher:
     def scalars_of(self, args: Any) -> tuple[float, ...]:
         return tuple(float(args[index]) for index in self.analysis.scalar_inputs)
 
+    def with_packed_attention(self, variant: Variant, args: tuple) -> Variant:
+        """A packed call's variant with the attention implementation the measured table picks for its
+        sequences (``sequence_lengths`` are on the host: no device sync; cached per shape)."""
+        boundaries = active_sequence_boundaries()
+        if boundaries is None or not self.packed_sites:
+            return variant
+        # an accelerator if any argument is on one (0-d CPU inputs carry dynamo's Python floats)
+        device = next((arg.device for arg in args if isinstance(arg, torch.Tensor) and arg.device.type != "cpu"),
+                      torch.device("cpu"))
+        choice = choose_packed_attention(self.packed_sites, boundaries, device, self.options.inner)
+        chosen = dataclasses.replace(variant, attention=VarlenKernel.FLEX.value) \
+            if choice.kernel is VarlenKernel.FLEX else variant
+        self.packed_reasons.setdefault(chosen, str(choice))
+        return chosen
+
     def __call__(self, *args: Any) -> Any:
         variant, reason = self.select(args)
+        if variant.packed:
+            variant = self.with_packed_attention(variant, args)
         pending = self.check_ranks(variant, args) if self.options.check_ranks and variant.sp_size > 1 else None
         scalars = self.scalars_of(args) if self.analysis.scalar_inputs else ()
         compiled = self.compiled.get((variant, scalars))
@@ -164,7 +186,8 @@ class Dispatcher:
         ctx = PassContext(
             fake_inputs=self.fake_inputs, fake_mode=self.fake_mode, sp_size=variant.sp_size,
             rank=group.rank, group_name=group.group_name if variant.sp_size > 1 else None,
-            recompute=variant.recompute, packed=variant.packed,
+            recompute=variant.recompute, packed=variant.packed, packed_attention=variant.attention,
+            packed_attention_reason=self.packed_reasons.get(variant, ""),
             record=self.record, variant_record=variant_record, analysis=self.analysis,
             scalar_values=dict(zip(self.analysis.scalar_inputs, scalars)), snapshots=snapshots_requested(),
         )

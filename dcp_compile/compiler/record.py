@@ -42,6 +42,7 @@ class VariantRecord:
     output_gathers: int = 0  # forward-only all-to-alls that return a chunked output in full
     fallback_reason: str | None = None
     inner_fallback: str | None = None  # why the variant runs under another inner compiler than asked
+    packed_attention: str | None = None  # packed variants: the attention implementation and why (the table's case)
     forward_graph: str | None = None
     backward_graph: str | None = None
     saved_activation_bytes: int | None = None  # per rank, at the traced length; inputs and their views excluded
@@ -136,6 +137,8 @@ class GraphRecord:
                 lines.append(f"    sharded regions: {variant.sharded_regions}")
             if variant.inner_fallback:
                 lines.append(f"    inner compiler: {variant.inner_fallback}")
+            if variant.packed_attention:
+                lines.append(f"    packed attention: {variant.packed_attention}")
             if variant.collectives:
                 lines.append("    collectives: " + ", ".join(f"{k} x{v}" for k, v in sorted(variant.collectives.items())))
             for site, layout, _ in variant.attention_layouts:

@@ -43,7 +43,7 @@ def sharding_summary(record: ModelRecord) -> str:
         lines.append("  why several graphs: " + " | ".join(why))
     if not variants:
         lines.append("  no SP>1 variant with attention has run yet (every micro-batch so far ran at SP 1)")
-        return "\n".join(lines)
+        return "\n".join(lines + packed_attention_lines(graphs))
     total = sum(v.attention_sites for v in variants)
     covered = sum(len(v.sharded_sites) + len(v.rank_local_sites) + len(v.replicated_sites) for v in variants)
     all_to_all = sum(len(v.sharded_sites) for v in variants)
@@ -60,7 +60,15 @@ def sharding_summary(record: ModelRecord) -> str:
     for variant in variants:
         if not variant.is_sharded:
             lines.append(f"  NOT SHARDED: {variant.summary()}")
+    lines += packed_attention_lines(graphs)
     return "\n".join(lines)
+
+
+def packed_attention_lines(graphs: list) -> list[str]:
+    """Which attention implementation packed micro-batches ran (chosen per call by the measured table)."""
+    packed = collections.Counter(v.packed_attention for graph in graphs for v in graph.variants.values()
+                                 if getattr(v, "packed_attention", None))
+    return [f"  packed attention: {how} ({count} variant(s))" for how, count in packed.most_common()]
 
 
 def collectives_line(variants: list) -> str:

@@ -8,7 +8,16 @@ with a measured table (``varlen_choice_<gpu>.json`` beside this module, written 
 the call's shape (same causality; by mean sequence length and padding fraction) decides, by its
 forward+backward time, among the candidates available here. Without a table, and on CPU, the
 choice is today's: :func:`.dispatch.kernel_backend` (Triton on CUDA, the torch reference
-elsewhere), which ``DCP_KERNELS=triton|torch`` also forces.
+elsewhere), which ``DCP_KERNELS=triton|torch`` also forces. ``DCP_VARLEN_TABLE=<file.json>`` (same
+format) replaces the committed tables for every device, CPU included: measurements of one's own,
+or a test that needs the choice to pick a given kernel on CPU.
+
+Compiled graphs (packed micro-batches, ``compiler/passes/use_varlen_attention.py``) choose among
+:func:`available_in_graph`: the ``dcp::`` op (Triton, or the reference on CPU) and FlexAttention
+traced into the graph (on CUDA only under Inductor, which fuses its forward and backward; the
+unfused HOP on CPU). SDPA over equal lengths is eager-only: in a graph the token axis would have
+to be split by the run-time sequence count, a relation between size symbols the shared shape
+environment cannot take without specialising every variant.
 
 The H200 table (torch 2.11, Triton 3.6) says: FlexAttention beats the Triton kernel
 forward+backward in all six cases (0.68-0.85x its time); SDPA on equal-length sequences beats both
@@ -21,6 +30,7 @@ import enum
 import functools
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -129,10 +139,36 @@ def table_slug(device_name: str) -> str:
     return "".join(ch if ch.isalnum() else "-" for ch in device_name.lower()).strip("-")
 
 
+TABLE_ENV = "DCP_VARLEN_TABLE"
+
+
+def table_override() -> Optional[MeasuredTable]:
+    """The table ``DCP_VARLEN_TABLE`` names (read at call time), for every device; None if unset."""
+    value = os.environ.get(TABLE_ENV, "").strip()
+    if not value:
+        return None
+    path = Path(value)
+    if not path.is_file():
+        raise FileNotFoundError(f"{TABLE_ENV}={value!r} is not a file; point it at a varlen choice table "
+                                f"(the format of {TABLE_DIR / 'varlen_choice_nvidia-h200.json'}) or unset it")
+    return _load_table(str(path.resolve()), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_table(path: str, mtime_ns: int) -> MeasuredTable:
+    return MeasuredTable.load(Path(path))
+
+
 @functools.cache
-def measured_table(device_name: str) -> Optional[MeasuredTable]:
+def committed_table(device_name: str) -> Optional[MeasuredTable]:
     path = TABLE_DIR / f"varlen_choice_{table_slug(device_name)}.json"
     return MeasuredTable.load(path) if path.exists() else None
+
+
+def measured_table(device_name: str) -> Optional[MeasuredTable]:
+    """The table that decides for this device: ``DCP_VARLEN_TABLE``'s, else the committed one."""
+    override = table_override()
+    return override if override is not None else committed_table(device_name)
 
 
 def available_kernels(shape: VarlenShape) -> set[VarlenKernel]:
@@ -149,6 +185,19 @@ def available_kernels(shape: VarlenShape) -> set[VarlenKernel]:
     return found
 
 
+def available_in_graph(shape: VarlenShape, inner: str) -> set[VarlenKernel]:
+    """What a compiled packed graph can run under the inner compiler ``inner``: the ``dcp::`` op
+    always; FlexAttention on CUDA under Inductor only (elsewhere on CUDA it would run unfused, at
+    ``T^2`` memory), and on CPU unfused under ``aot_eager``/``eager`` (torch has no CPU
+    FlexAttention backward in Inductor). Never equal-length SDPA (see the module docstring)."""
+    from .varlen_flex import flex_available
+
+    found = {_today(shape)}
+    if flex_available() and (inner == "inductor" if shape.device_type == "cuda" else inner in ("aot_eager", "eager")):
+        found.add(VarlenKernel.FLEX)
+    return found
+
+
 def choose_varlen_kernel(shape: VarlenShape, table: Any = "auto",
                          available: Optional[set[VarlenKernel]] = None) -> VarlenChoice:
     """The implementation for one call (see the module docstring for the rule)."""
@@ -156,10 +205,11 @@ def choose_varlen_kernel(shape: VarlenShape, table: Any = "auto",
     fallback = _today(shape)
     if forced != "auto":
         return VarlenChoice(fallback, f"DCP_KERNELS={forced}")
-    if shape.device_type != "cuda":
-        return VarlenChoice(fallback, f"{shape.device_type}: the torch reference")
     if table == "auto":
-        table = measured_table(shape.device_name)
+        override = table_override()
+        if override is None and shape.device_type != "cuda":
+            return VarlenChoice(fallback, f"{shape.device_type}: the torch reference")
+        table = override if override is not None else committed_table(shape.device_name)
     if table is None:
         return VarlenChoice(fallback, f"no measured table for {shape.device_name or 'this GPU'}")
     case = table.nearest(shape)

@@ -42,6 +42,8 @@ class PassContext:
     group_name: str | None = None
     recompute: RecomputePolicy = RecomputePolicy.NONE
     packed: bool = False  # the batch packs several sequences (use_varlen_attention adds cu_seqlens)
+    packed_attention: str | None = None  # Variant.attention: None (the dcp:: op) or "flex"
+    packed_attention_reason: str = ""  # why the dispatcher chose it (the measured table's case)
     record: "GraphRecord | None" = None
     variant_record: "VariantRecord | None" = None
     analysis: Analysis = field(default_factory=Analysis)

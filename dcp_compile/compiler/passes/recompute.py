@@ -32,7 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import SDPA, sdpa_argument
-from dcp_compile.compiler.passes.use_varlen_attention import VARLEN_ATTENTION
+from dcp_compile.compiler.passes.use_varlen_attention import FLEX_ATTENTION, VARLEN_ATTENTION
 
 log = logging.getLogger(__name__)
 RECOMPUTE_GRAPH_ID = 4242
@@ -57,8 +57,9 @@ PROJECTIONS = {
 
 
 def is_attention(node: fx.Node) -> bool:
-    """SDPA, or the varlen attention that replaced it in a packed variant."""
-    return node.op == "call_function" and (node.target is SDPA or node.target is VARLEN_ATTENTION)
+    """SDPA, or the varlen attention that replaced it in a packed variant (the dcp:: op or FlexAttention)."""
+    return node.op == "call_function" and (node.target is SDPA or node.target is VARLEN_ATTENTION
+                                           or node.target is FLEX_ATTENTION)
 
 
 def attention_inputs_region(sdpa: fx.Node) -> list[fx.Node]:

@@ -11,24 +11,40 @@ It runs after ``insert_all_to_all``: under Ulysses each rank holds the whole pac
 its heads between the two all-to-alls, so the boundaries apply unchanged and the SP size does not
 matter. Attention that cannot be packed (a mask, dropout, cross-attention, 3-D hand-written
 attention) is an error naming the site, never a silent attention across sequences.
+
+Which implementation runs is chosen per call, where the sequences are known: the dispatcher reads
+the call's ``sequence_lengths`` (on the host: no device sync) and asks
+:func:`choose_packed_attention` (the measured table of :mod:`dcp_compile.kernels.attention_choice`,
+among what a graph can run under the inner compiler). The choice is part of the variant
+(``Variant.attention``): ``None`` lowers to the ``dcp::`` op (Triton, or the reference on CPU),
+``"flex"`` to FlexAttention traced into the graph, so AOTAutograd derives its exact backward and the
+recompute policies tag it like any attention. Each kernel a variant is chosen with compiles it once.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dcp_compile.kernels import varlen_attention as _register_varlen_ops  # noqa: F401  (defines dcp::varlen_*)
+from dcp_compile.kernels.attention_choice import TABLE_ENV, VarlenChoice, VarlenKernel, VarlenShape, \
+    available_in_graph, choose_varlen_kernel
+from dcp_compile.kernels.dispatch import requested_backend
+from dcp_compile.kernels.varlen_flex import flex_document_attention_traceable
 from dcp_compile.compiler.graph_capture import splice_traced
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import SDPA, sdpa_argument
 
 log = logging.getLogger(__name__)
 VARLEN_ATTENTION = torch.ops.dcp.varlen_attention_fwd.default
+FLEX_ATTENTION = torch.ops.higher_order.flex_attention
 
 
 class CannotPack(ValueError):
@@ -51,13 +67,61 @@ def _why_not_packable(sdpa: fx.Node) -> str | None:
 
 
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, boundaries: torch.Tensor,
-                     *, causal: bool, scale: float | None) -> torch.Tensor:
-    """SDPA's ``[B, H, T, D]`` in and out; varlen attention over the ``B*T`` tokens in between."""
+                     *, causal: bool, scale: float | None, flex: bool = False) -> torch.Tensor:
+    """SDPA's ``[B, H, T, D]`` in and out; varlen attention over the ``B*T`` tokens in between
+    (the ``dcp::`` op, or FlexAttention with a document mask when ``flex``)."""
     def tokens(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [B*T, H, D], every row in order
         return x.transpose(1, 2).flatten(0, 1)
 
+    if flex:
+        out = flex_document_attention_traceable(tokens(query), tokens(key), tokens(value), boundaries, causal, scale)
+        return out.reshape(query.transpose(1, 2).shape).transpose(1, 2)
     out, _ = VARLEN_ATTENTION(tokens(query), tokens(key), tokens(value), boundaries, 0, causal, scale)
     return out.view_as(query.transpose(1, 2)).transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class PackedSite:
+    """What the kernel choice reads from one attention site of the graph."""
+
+    causal: bool
+    head_dim: int
+    dtype: torch.dtype
+
+
+def packed_sites(gm: fx.GraphModule) -> tuple[PackedSite, ...]:
+    """The graph's SDPA sites as the choice sees them (read once, from the analysed graph)."""
+    sites = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is SDPA:
+            query = node.args[0].meta["val"]
+            sites.append(PackedSite(bool(sdpa_argument(node, "is_causal")), int(query.shape[-1]), query.dtype))
+    return tuple(sites)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(sites: tuple[PackedSite, ...], lengths: tuple[int, int, int], device: torch.device, inner: str,
+            table: Any) -> VarlenChoice:
+    total, count, longest = lengths
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    choices = []
+    for site in dict.fromkeys(sites):  # each distinct (causality, head dim, dtype) once
+        shape = VarlenShape(total, count, longest, site.head_dim, site.dtype, site.causal, device.type, name)
+        choices.append(choose_varlen_kernel(shape, available=available_in_graph(shape, inner)))
+    if all(choice.kernel is VarlenKernel.FLEX for choice in choices):
+        return choices[0]
+    # one implementation per graph: FlexAttention only where the table prefers it at every site
+    return next(choice for choice in choices if choice.kernel is not VarlenKernel.FLEX)
+
+
+def choose_packed_attention(sites: tuple[PackedSite, ...], boundaries: torch.Tensor, device: torch.device,
+                            inner: str) -> VarlenChoice:
+    """The implementation a packed call runs, from its ``cu_seqlens`` (a CPU tensor: read without a
+    device sync) and the device of its tensors; cached per shape."""
+    cu = boundaries.tolist()
+    lengths = (cu[-1], len(cu) - 1, max(b - a for a, b in zip(cu[:-1], cu[1:])))
+    # the table and DCP_KERNELS are read per call (either may change between calls): part of the key
+    return _choose(sites, lengths, device, inner, (os.environ.get(TABLE_ENV, ""), requested_backend()))
 
 
 def add_sequence_boundaries_input(gm: fx.GraphModule, ctx: PassContext) -> fx.Node:
@@ -92,13 +156,19 @@ def use_varlen_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
                              f"({(sdpa.meta.get('stack_trace') or '?').strip().splitlines()[-1]}): {reason}. "
                              "Run this model on padded batches (dcp.use without sequence_lengths).")
     boundaries = add_sequence_boundaries_input(gm, ctx)
+    flex = ctx.packed_attention == VarlenKernel.FLEX.value
     for sdpa in sites:
         lower = functools.partial(packed_attention, causal=bool(sdpa_argument(sdpa, "is_causal")),
-                                  scale=sdpa_argument(sdpa, "scale"))
+                                  scale=sdpa_argument(sdpa, "scale"), flex=flex)
         splice_traced(gm, sdpa, lower, [*sdpa.args[:3], boundaries], ctx.fake_mode)
     gm.recompile()
+    how = "FlexAttention with a document mask" if flex else "the dcp::varlen_attention op"
+    why = ctx.packed_attention_reason  # "<kernel> (<the table's case, or why there is none>)"
     if ctx.variant_record is not None:
-        ctx.variant_record.rewrites.append(f"{len(sites)} attention(s) -> varlen attention over packed sequences")
-    log.info("dcp: %d attention site(s) run as varlen attention over packed sequences", len(sites))
+        ctx.variant_record.rewrites.append(f"{len(sites)} attention(s) -> varlen attention over packed sequences "
+                                           f"by {how}" + (f", chosen: {why}" if why else ""))
+        ctx.variant_record.packed_attention = why or ("flex" if flex else "dcp op")
+    log.info("dcp: %d attention site(s) run as varlen attention over packed sequences by %s (%s)", len(sites), how,
+             why or "no choice recorded")
     return gm
 
