@@ -128,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     versions = software_versions(device)
     tag = "cuda_" + device_name(device).lower().replace(" ", "-") if gpu else "cpu"
     goal = ("Goal on a GPU: median <= 10%, worst <= 20%." if gpu else
-            "Measured on a shared CPU (one thread, other jobs running): the GPU figures come from "
+            "Measured on a shared CPU (one thread, other jobs running; every time is the process's CPU time, "
+            "which the other jobs do not move, where the wall clock moved repeats by up to 8x): the GPU figures come from "
             "`bash benchmarks/gpu_check.sh` when a GPU is lent; the issue's goal (median <= 10%, worst <= 20%) is for them.")
     lines = [f"# Profiled cost model, held out: {device_name(device)}", "",
              "**Measured** (" + ", ".join(f"{k} {v}" for k, v in versions.items()) + f", inner compiler {inner}). "

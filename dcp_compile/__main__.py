@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=positive_int, default=6, help="training steps to time (at least 1)")
     demo.add_argument("--inner", default="aot_eager", choices=["inductor", "aot_eager", "eager"])
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--json", metavar="PATH", help="also write what rank 0 measured and predicted to PATH (JSON)")
     bench = commands.add_parser("bench", help="benchmarks")
     bench.add_argument("what", choices=["kernels"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from dcp_compile.demo.training_demo import run_demo
 
-        return run_demo(world_size=args.world_size, steps=args.steps, inner=args.inner, seed=args.seed)
+        return run_demo(world_size=args.world_size, steps=args.steps, inner=args.inner, seed=args.seed,
+                        json_path=args.json)
     if args.command == "bench":
         return run_kernel_benchmarks(args.rest)
     if args.command == "inspect":

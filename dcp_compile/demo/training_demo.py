@@ -10,7 +10,9 @@
    point at the slowest, so all plan with the same numbers.
 2. **Compile** every variant once (one dynamo trace; every micro-batch is one packed row, see
    ``dcp.pack_sequences``), so no compile lands in a timed step; then **measure communication**:
-   the SP-world variant timed on the real world less its profiled compute.
+   ``all_to_all_single`` timed on the real world at the demo's message sizes (what the fake world
+   of step 1 left out). On a CPU every time is each process's CPU time (see
+   :mod:`.dedicated_cores`), so other programs on a shared machine do not move the comparison.
 3. **A memory cap** (a stand-in on a CPU): the longest sample fits on the whole world only with
    full recompute, as device memory forces on a real job's longest samples. Static SP therefore
    recomputes every micro-batch; DCP chooses per micro-batch.
@@ -175,45 +177,39 @@ def _profile_process(arguments: tuple[int, str, int, bool]) -> dict:
     return profile_compute(*arguments)
 
 
-COMMUNICATION_LENGTHS = (128, 512, 1024)
+LINK_MESSAGE_BYTES = (16 * 1024, 128 * 1024, 1024 * 1024)  # one rank's tensor per all-to-all: the demo's range
+LINK_REPEATS = 15
 
 
-def measure_communication(compiled, model: torch.nn.Module, measured: Sequence[dict], world_size: int,
-                          device: torch.device) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of this world's all-to-alls, measured where they happen:
-    the SP-``world`` variant timed on the real world at a few lengths (the slowest rank's median),
-    less the compute ``dcp.profile`` measured for the same variant and row on its fake world. What
-    is left (the all-to-alls, the rank check, the waits) is fitted as the cost model's
-    communication term, ``8 x layers x latency + bytes / bandwidth``. Every rank gets the same
-    two numbers."""
-    from dcp_compile.schedule.analytic import raw_term_coefficients
-    from dcp_compile.schedule.measured_costs import MeasuredCosts, slowest_of
+def measure_link(world_size: int, device: torch.device) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of this world's all-to-all, measured directly: one rank's
+    tensor of each size in ``LINK_MESSAGE_BYTES`` sent through ``all_to_all_single`` over the whole
+    world (the slowest rank's median, on the device clock), fitted as the cost model prices one
+    all-to-all, ``latency + bytes x (P - 1) / P / bandwidth``. Every rank gets the same two numbers.
 
+    ``dcp.profile`` timed the compute on a fake world, where collectives move no data but every
+    other op of the variant runs; what it leaves out is exactly this. (Earlier the demo took the
+    SP-world variant's time less its profiled compute: a difference of two noisy numbers of the
+    same size, which priced communication 3-4x above what the probes then found.)"""
     if world_size == 1:
         return 0.0, float("inf")
-    compute = slowest_of([MeasuredCosts.from_dict(d) for d in measured]).fit_for(world_size, "none")
-    variant = dcp.Variant(world_size, "none")
-    generator = torch.Generator().manual_seed(1)
-    extra = []
-    for length in COMMUNICATION_LENGTHS:
-        packed = pack([torch.randint(1, VOCAB, (length,), generator=generator)], [0], device)
+    seconds = []
+    for size in LINK_MESSAGE_BYTES:
+        elements = size // 4 // world_size * world_size
+        send = torch.ones(elements, dtype=torch.float32, device=device)
+        receive = torch.empty_like(send)
         times = []
-        for _ in range(5):
+        for repeat in range(LINK_REPEATS + 2):
             _barrier()
             watch = DeviceStopwatch(device).start()
-            packed_loss(compiled, variant, packed).backward()
-            times.append(watch.elapsed())
-        model.zero_grad(set_to_none=True)
-        measured_seconds = _world_max(statistics.median(times), device)
-        extra.append(max(measured_seconds - compute.seconds([length]), 0.0))
-    per_token, fixed = np.polyfit(COMMUNICATION_LENGTHS, extra, deg=1)
-    fixed, per_token = max(float(fixed), 0.0), max(float(per_token), 0.0)
-    # The cost model's communication term with a 1 s latency and 1 B/s links, to solve for both.
-    unit = replace(dcp.Hardware.this_cpu(), intra_node_latency=1.0, intra_node_bandwidth=1.0,
-                   inter_node_latency=1.0, inter_node_bandwidth=1.0, gpus_per_node=world_size)
-    unit_fixed, unit_per_token, _ = raw_term_coefficients(tinygpt_profile(), unit, world_size, "none")["communication"]
-    latency = fixed / unit_fixed
-    bandwidth = unit_per_token / per_token if per_token > 0 else 1e12
+            dist.all_to_all_single(receive, send)
+            if repeat >= 2:  # the first two set up the connections' buffers
+                times.append(watch.elapsed())
+        seconds.append(_world_max(statistics.median(times), device))
+    moved = [size * (world_size - 1) / world_size for size in LINK_MESSAGE_BYTES]
+    per_byte, fixed = np.polyfit(moved, seconds, deg=1)
+    latency = max(float(fixed), 0.0)
+    bandwidth = 1.0 / float(per_byte) if per_byte > 0 else 1e12
     return latency, bandwidth
 
 
@@ -222,42 +218,28 @@ PROBE_LENGTH = 256
 
 @dataclass(frozen=True)
 class MachineSpeed:
-    """How much slower than profiled this shared machine runs right now: compute (an SP-1 probe on
-    every rank at once, as DCP's SP-1 work runs) and communication (an SP-world probe, less its
-    compute). 1.0 = as profiled."""
+    """How much slower than profiled this machine computes right now (an SP-1 probe on every rank
+    at once, as DCP's SP-1 work runs). 1.0 = as profiled. Communication is not probed: the link
+    was measured directly (:func:`measure_link`); an SP-world probe less its compute is a
+    difference of two noisy times of the same size (it read 0.0x to 4.5x within one run)."""
 
     compute: float = 1.0
-    communication: float = 1.0
 
 
-def probe_machine(compiled, model: torch.nn.Module, cost_model: dcp.CostModel, world_size: int,
-                  device: torch.device) -> MachineSpeed:
-    """Time two probe micro-batches now (the slowest rank's median of three, as the profile takes
-    its points) against the cost model:
-    a shared machine's load moves between the profile and each step, by more than the schedules
-    differ; the probes measure where it stands, so a prediction can be read at today's speed."""
+def probe_machine(compiled, model: torch.nn.Module, cost_model: dcp.CostModel, device: torch.device) -> MachineSpeed:
+    """Time a probe micro-batch now (the slowest rank's median of three, as the profile takes its
+    points) against the cost model, so a prediction can also be read at today's speed."""
     sample = torch.randint(1, VOCAB, (PROBE_LENGTH,), generator=torch.Generator().manual_seed(2))
     packed = pack([sample], [0], device)
-
-    def timed(variant: dcp.Variant) -> float:
-        times = []
-        for _ in range(3):
-            _barrier()
-            watch = DeviceStopwatch(device).start()
-            packed_loss(compiled, variant, packed).backward()
-            times.append(watch.elapsed())
-        model.zero_grad(set_to_none=True)
-        return _world_max(statistics.median(times), device)
-
-    compute = timed(dcp.Variant(1, "none")) / cost_model.time([PROBE_LENGTH], 1, "none")
-    if world_size == 1:
-        return MachineSpeed(compute, 1.0)
-    silent = cost_model.without_communication()
-    predicted_compute = silent.time([PROBE_LENGTH], world_size, "none")
-    predicted_communication = cost_model.time([PROBE_LENGTH], world_size, "none") - predicted_compute
-    measured = timed(dcp.Variant(world_size, "none"))
-    communication = max(measured - compute * predicted_compute, 0.0) / predicted_communication
-    return MachineSpeed(compute, communication)
+    variant = dcp.Variant(1, "none")
+    times = []
+    for _ in range(3):
+        _barrier()
+        watch = DeviceStopwatch(device).start()
+        packed_loss(compiled, variant, packed).backward()
+        times.append(watch.elapsed())
+    model.zero_grad(set_to_none=True)
+    return MachineSpeed(_world_max(statistics.median(times), device) / cost_model.time([PROBE_LENGTH], 1, "none"))
 
 
 def at_speed(cost_model: dcp.CostModel, silent: dcp.CostModel, microbatches: Sequence[dcp.MicroBatch],
@@ -269,7 +251,7 @@ def at_speed(cost_model: dcp.CostModel, silent: dcp.CostModel, microbatches: Seq
         compute = silent.time(sample_lengths, mb.sp_size, mb.recompute)
         communication = cost_model.time(sample_lengths, mb.sp_size, mb.recompute) - compute
         for rank in mb.group_ranks:
-            ranks[rank] += speed.compute * compute + speed.communication * communication
+            ranks[rank] += speed.compute * compute + communication
     return ranks
 
 
@@ -372,7 +354,7 @@ def prediction_by_kind(timings: Sequence[MicroBatchTiming]) -> list[str]:
         bin_ = next(b for b in SEQUENCE_BINS if b[0] <= timing.sequences <= b[1])
         groups.setdefault((timing.schedule, timing.sp_size, timing.recompute, bin_), []).append(timing)
     lines = ["Where the prediction misses (each rank's micro-batches, forward + backward, summed over the steps; "
-             "predicted at the probed speed):",
+             "predicted at the probed compute speed):",
              f"  {'schedule':<8} {'SP':>2} {'recompute':<10} {'sequences':>9} {'count':>5} {'tokens':>8} "
              f"{'measured s':>10} {'predicted s':>11} {'error':>6}"]
     for (schedule, sp_size, recompute, (low, high)), members in sorted(groups.items()):
@@ -518,7 +500,7 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
         f"trace: every micro-batch is one packed row of any length) in {compile_seconds:.1f} s; not in the timings below")
 
     # -------------------------------------------------------------- cost model and the two setups
-    link = measure_communication(compiled, model, measured, world_size, device)
+    link = measure_link(world_size, device)
     cost_model, memory_cap = demo_cost_model(measured, link, world_size)
     static_policy = cost_model.fastest_feasible_recompute(LONGEST, world_size, memory_cap)
     static_capacity = cost_model.token_capacity(world_size, static_policy, memory_cap)
@@ -526,9 +508,9 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
     summary_fit = cost_model.measured.held_out_summary()
     say(f"cost model: compute measured by dcp.profile on {cost_model.measured.device} ({len(measured)} processes at "
         f"once, each point its slowest; held-out error median {100 * summary_fit[0]:.0f}%, worst "
-        f"{100 * summary_fit[1]:.0f}%), communication measured on this world (the SP-{world_size} variant's time "
-        f"less its profiled compute: {1e6 * link[0]:.0f} us per all-to-all, {link[1] / 1e9:.2f} GB/s), memory from "
-        f"the analytic model")
+        f"{100 * summary_fit[1]:.0f}%), communication measured on this world (all_to_all_single of "
+        f"{LINK_MESSAGE_BYTES[0] // 1024}-{LINK_MESSAGE_BYTES[-1] // 1024} KiB per rank: {1e6 * link[0]:.0f} us per all-to-all, "
+        f"{link[1] / 1e9:.2f} GB/s), memory from the analytic model")
     say(f"memory: a stand-in cap of {memory_cap / 1e6:.1f} MB per rank (this CPU has plenty; a GPU would not): the "
         f"longest sample ({LONGEST} tokens) fits on all {world_size} ranks only with recompute={static_policy}; "
         + ", ".join(f"SP {sp} holds {cost_model.token_capacity(sp, 'none', memory_cap)} tokens without recompute"
@@ -569,9 +551,8 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
             world_size, static_variant)
         all_dcp += every
         all_static += static
-        speed = probe_machine(compiled, model, cost_model, world_size, device)
-        say(f"machine now: compute {speed.compute:.2f}x, communication {speed.communication:.2f}x the profiled time "
-            "(two probe micro-batches)")
+        speed = probe_machine(compiled, model, cost_model, device)
+        say(f"machine now: compute {speed.compute:.2f}x the profiled time (a probe micro-batch)")
         runs = {
             "dcp": [(mb, mb.variant, mb.group_ranks[0] == rank) for mb in step.microbatches],
             "static": [(mb, static_variant, rank == 0) for mb in static],
@@ -586,7 +567,7 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
                 communication = cost_model.time(sample_lengths, variant.sp_size, variant.recompute) - compute
                 timings.append(MicroBatchTiming(
                     name, rank, variant.sp_size, str(variant.recompute), len(mb.indices), mb.tokens, duration,
-                    speed.compute * compute + speed.communication * communication))
+                    speed.compute * compute + communication))
             weights[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             seconds, wall_seconds, busy_all, loss = _gather_step(mine, device)
             if name == "dcp":
@@ -607,7 +588,7 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
             label = "DCP:   " if name == "dcp" else "static:"
             lines[name] = (
                 f"{label} measured {seconds:.3f} s (wall {wall_seconds:.3f} s; predicted {predicted:.3f} s as profiled) | busy per rank "
-                + ", ".join(f"{b:.3f}" for b in busy_all) + " s (predicted at the probed speed "
+                + ", ".join(f"{b:.3f}" for b in busy_all) + " s (predicted at the probed compute speed "
                 + ", ".join(f"{p:.3f}" for p in adjusted_ranks) + f") | loss {loss:.4f} | "
                 f"{result.tokens_per_s:,.0f} tokens/s"
             )
@@ -640,6 +621,8 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
         "wall_paired_speedup": summary["wall_paired_speedup"],
         "clock": clock_for(device).value,
         "prediction_errors": summary["prediction_errors"],
+        "probed_speedup": summary["probed_speedup"],
+        "probed_prediction_errors": summary["probed_prediction_errors"],
         "static_policy": static_policy.value,
         "microbatch_timings": [t.__dict__ for t in timings],
     }
@@ -752,19 +735,18 @@ def summarize(dcp_results: Sequence[StepResult], static_results: Sequence[StepRe
     wall_line = [] if clock is not Clock.PROCESS_CPU else [
         f"On the wall clock, which also counts the time this shared machine gave to other processes (load "
         f"{_load_average()}): {wall_speedup:.2f}x, step by step {wall_paired[0]:.2f}x (95% interval "
-        f"{wall_paired[1]:.2f}-{wall_paired[2]:.2f}x). That ratio moves with the load (0.92x at load 30, 1.16x at "
-        "load 5 in benchmarks/results/demo_runs_cpu.md); the CPU-time one above is the schedules' own difference."]
+        f"{wall_paired[1]:.2f}-{wall_paired[2]:.2f}x). That ratio moves with the load (an SP group's all-to-alls "
+        "wait until both processes get a core); the CPU-time one above is the schedules' own difference."]
     lines += [
         "",
         f"DCP trained {speedup:.2f}x the tokens/s of static SP over {len(dcp_results)} steps (measured: "
-        f"{clock_sentence(clock)}; the profiled cost model, measured on the same clock, "
-        f"predicted {adjusted:.2f}x at the machine's probed speed, {predicted:.2f}x as profiled). Step by "
+        f"{clock_sentence(clock)}). The profiled cost model, measured on the same clock, predicted {predicted:.2f}x "
+        f"as it planned ({adjusted:.2f}x at the compute speed probed before each step). Step by "
         f"step (each step's two runs back to back): {paired:.2f}x, 95% interval {low:.2f}-{high:.2f}x.",
         *wall_line,
-        f"Predicted vs measured busy time (forward + backward, slowest rank, summed "
-        f"over steps) at the probed speed: DCP {100 * dcp_error:+.0f}%, static SP {100 * static_error:+.0f}%; as "
-        f"profiled: DCP {100 * dcp_raw_error:+.0f}%, static SP {100 * static_raw_error:+.0f}% (the load of a shared "
-        "machine moves between the profile and each step; two probe micro-batches before each step measure it).",
+        f"Predicted vs measured busy time (forward + backward, slowest rank, summed over steps), as planned: DCP "
+        f"{100 * dcp_raw_error:+.0f}%, static SP {100 * static_raw_error:+.0f}%; at the probed compute speed: DCP "
+        f"{100 * dcp_error:+.0f}%, static SP {100 * static_error:+.0f}%.",
         *mechanisms,
         f"Losses: max |DCP - static| = {max_difference:.2e}. Both runs train the same samples with the same loss "
         "weights; only the SP size, the recompute policy and the packing differ, so they must agree to float "
@@ -776,15 +758,32 @@ def summarize(dcp_results: Sequence[StepResult], static_results: Sequence[StepRe
     ]
     return {"table": "\n".join(lines), "max_loss_difference": max_difference, "speedup": speedup,
             "paired_speedup": (paired, low, high), "wall_speedup": wall_speedup, "wall_paired_speedup": wall_paired,
-            "predicted_speedup": adjusted, "profiled_speedup": predicted,
-            "prediction_errors": (dcp_error, static_error)}
+            "predicted_speedup": predicted, "probed_speedup": adjusted,
+            "prediction_errors": (dcp_raw_error, static_raw_error),
+            "probed_prediction_errors": (dcp_error, static_error)}
+
+
+def slowest_held_out(measured: Sequence[dict]) -> tuple[float, float] | None:
+    """(median, worst) held-out error of the profile the ranks plan with (each point its slowest)."""
+    from dcp_compile.schedule.measured_costs import MeasuredCosts, slowest_of
+
+    return slowest_of([MeasuredCosts.from_dict(d) for d in measured]).held_out_summary()
 
 
 def _worker(rank: int, world_size: int, steps: int, inner: str, seed: int, measured: Sequence[dict]) -> dict:
     return train(rank, world_size, steps, inner, seed, measured=measured)
 
 
-def run_demo(world_size: int = 2, steps: int = 6, inner: str = "aot_eager", seed: int = 0) -> int:
+def _write_json(path: str | None, result: dict) -> None:
+    if path:
+        import json
+
+        with open(path, "w") as handle:
+            json.dump(result, handle, indent=1, default=str)
+
+
+def run_demo(world_size: int = 2, steps: int = 6, inner: str = "aot_eager", seed: int = 0,
+             json_path: str | None = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
@@ -796,7 +795,9 @@ def run_demo(world_size: int = 2, steps: int = 6, inner: str = "aot_eager", seed
         try:
             measured: list = [None] * world
             dist.all_gather_object(measured, measured_here)
-            train(dist.get_rank(), world, steps, inner, seed, measured=measured)
+            result = train(dist.get_rank(), world, steps, inner, seed, measured=measured)
+            if dist.get_rank() == 0:
+                _write_json(json_path, result)
         finally:
             dist.destroy_process_group()
         return 0
@@ -813,6 +814,7 @@ def run_demo(world_size: int = 2, steps: int = 6, inner: str = "aot_eager", seed
     with multiprocessing.get_context("spawn").Pool(world_size) as pool:
         measured = pool.map(_profile_process, [(world_size, inner, seed, index == 0) for index in range(world_size)])
     print(f"... done in {time.perf_counter() - start:.0f} s", flush=True)
-    run_in_process_world(_worker, world_size, steps, inner, seed, measured, timeout=1800)
+    results = run_in_process_world(_worker, world_size, steps, inner, seed, measured, timeout=1800)
+    _write_json(json_path, {**results[0], "profile_held_out": slowest_held_out(measured)})
     print(f"total wall time {time.perf_counter() - start:.0f} s", flush=True)
     return 0
