@@ -165,4 +165,7 @@ def capture_aten_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tup
     detach_data_attributes(gm)
     capture_custom_autograd_functions(gm, fake_mode)
     aten_gm = retrace(interpret(gm), fake_inputs, fake_mode)
+    cut = getattr(gm, "compile_subgraph_reason", None)  # dynamo sets it on a graph a graph break cut short
+    if cut is not None and getattr(cut, "graph_break", False):
+        aten_gm.meta["dcp_graph_break"] = str(cut.reason).splitlines()[0][:160]
     return aten_gm, fake_inputs, fake_mode

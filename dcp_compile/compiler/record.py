@@ -41,6 +41,7 @@ class VariantRecord:
     sharded_regions: int = 0
     output_gathers: int = 0  # forward-only all-to-alls that return a chunked output in full
     fallback_reason: str | None = None
+    no_attention: str | None = None  # a graph without attention: why it has none (a graph break's piece, ...)
     inner_fallback: str | None = None  # why the variant runs under another inner compiler than asked
     packed_attention: str | None = None  # packed variants: the attention implementation and why (the table's case)
     forward_graph: str | None = None
@@ -72,7 +73,8 @@ class VariantRecord:
         if self.fallback_reason is not None:
             return f"{self.variant}: UNSHARDED (whole graph): {self.fallback_reason}"
         if not self.attention_sites:
-            return f"{self.variant}: no attention: runs replicated on every rank"
+            why = f" ({self.no_attention})" if self.no_attention else ""
+            return f"{self.variant}: no attention{why}: runs replicated on every rank"
         covered = len(self.sharded_sites) + len(self.rank_local_sites) + len(self.replicated_sites)
         local = f", {len(self.rank_local_sites)} rank-local" if self.rank_local_sites else ""
         local += f", {len(self.replicated_sites)} over another sequence" if self.replicated_sites else ""

@@ -29,6 +29,7 @@ class Analysis:
     # compiled variants by them, which is what dynamo's specialize_float would do, scoped to dcp.
     scalar_inputs: tuple[int, ...] = ()
     causal_mask_sites: list[str] = field(default_factory=list)  # SDPAs whose built mask became is_causal
+    no_attention: str | None = None  # why a graph without attention has none (see passes/no_attention)
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.einsum_products import respell_einsum_products
+from dcp_compile.compiler.passes.no_attention import explain_no_attention
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -346,7 +347,8 @@ NO_ATTENTION_WARNING = (
 
 def _has_sequence_dimension(gm: fx.GraphModule, ctx: PassContext) -> bool:
     """A model graph (it holds parameters) with an input of a dynamic (symbolic) size: a graph
-    break's loss graph holds no parameters, so it stays quiet."""
+    break's loss graph holds no parameters, so it stays quiet (and a piece of a forward cut by a
+    graph break stays quiet unless it could hold an attention: see ``no_attention``)."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     if not ctx.analysis.parameter_indices:
         return False
@@ -413,9 +415,11 @@ def find_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     sites.sort(key=lambda site: order[site.node])
     ctx.analysis.attention_sites = sites
     if not sites:
-        log.info("dcp: no attention found in this graph; it runs unsharded on every rank")
-        if _has_sequence_dimension(gm, ctx):
-            warnings.warn(NO_ATTENTION_WARNING, UserWarning, stacklevel=2)
+        finding = explain_no_attention(gm)
+        ctx.analysis.no_attention = finding.reason
+        log.info("dcp: no attention found in this graph; it runs unsharded on every rank: %s", finding.reason)
+        if finding.should_warn(_has_sequence_dimension(gm, ctx)):
+            warnings.warn(f"{NO_ATTENTION_WARNING} This graph: {finding.reason}.", UserWarning, stacklevel=2)
     else:
         log.info("dcp: found %d attention site(s) (%d hand-written)", len(sites), rewritten)
     return gm

@@ -40,5 +40,6 @@ def shard_sequence_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.variant_record.output_gathers = interpreter.output_gathers
         ctx.variant_record.fallback_reason = fallback_reason
         ctx.variant_record.local_fallbacks = interpreter.local_fallbacks
+        ctx.variant_record.no_attention = ctx.analysis.no_attention
     return sharded
 
