@@ -21,6 +21,9 @@
 #   GPU_CHECK_PACKED  no (default) | yes (benchmarks/packed_vs_padded.py on CUDA, packed_vs_padded_cuda.md/.csv)
 #   GPU_CHECK_PROFILE yes (default: profile_blocks.py) | no;  GPU_CHECK_REPLAY yes (default: replay.py) | no
 #   GPU_CHECK_DIT     yes (default: dit_inductor_step.py, Inductor vs aot_eager on a real-width DiT) | no
+#   GPU_CHECK_COMPILED_CHOICE no (default) | yes (a packed row through Inductor picks FlexAttention by the
+#                     kernel table and matches eager: tests/test_compiled_kernel_choice.py -k cuda,
+#                     compiled_choice_tests.log; one Inductor compile with FlexAttention's kernels, not yet timed)
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -89,6 +92,10 @@ fi
 # chooser's table, varlen_choice_<gpu>.json.
 if [ "$BENCH" != "none" ] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   run_step varlen_choice_tests python -m pytest tests/kernels/test_kernels_attention_choice.py -q -k cuda -p no:cacheprovider
+fi
+
+if [ "${GPU_CHECK_COMPILED_CHOICE:-no}" != "no" ] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  run_step compiled_choice_tests python -m pytest tests/test_compiled_kernel_choice.py -q -k cuda -p no:cacheprovider
 fi
 
 # End to end on the GPU: packed rows through the compiled model (Triton varlen) against padded SDPA.

@@ -259,6 +259,7 @@ def _inductor_worker(rank, world_size, table):
     sequences = _sequences(SHORT, seed=0)
     expected_loss, expected_grads = _reference(model, sequences)
     packed = dcp.pack_sequences(sequences)
+    model.zero_grad(set_to_none=True)
     with counting_kernels() as counts, dcp.use(dcp.Variant(1), sequence_lengths=packed.sequence_lengths):
         loss = compiled(packed.input_ids, packed.labels, packed.position_ids)
         loss.backward()
@@ -276,3 +277,35 @@ def test_under_inductor_on_cpu_the_packed_path_keeps_the_dcp_op():
     [(counts, variants)] = run_in_process_world(_inductor_worker, 1, str(FIXTURE), timeout=1500)
     assert variants == ["sp=1/recompute=none/packed"]
     assert counts["flex_fwd"] == counts["flex_bwd"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_inductor_packed_path_runs_flex_attention(monkeypatch):
+    """On a GPU under Inductor (gpu_check.sh runs ``-k cuda``): with the fixture table, whose only
+    CUDA-runnable entry is FlexAttention, a packed row compiles to the FlexAttention variant (fused
+    forward and backward) and matches eager on each sequence alone."""
+    from test_packed_batches import _model, _sequences
+
+    monkeypatch.setenv(TABLE_ENV, str(FIXTURE))
+    monkeypatch.delenv("DCP_KERNELS", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model().cuda()
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "inductor"})
+    sequences = [s.cuda() for s in _sequences(SHORT, seed=0)]
+    targets = sum(s.numel() - 1 for s in sequences)
+    expected = sum(model(s[None], s[None]) * (s.numel() - 1) for s in sequences) / targets
+    expected.backward()
+    expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    packed = dcp.pack_sequences(sequences)
+    with dcp.use(dcp.Variant(1), sequence_lengths=packed.sequence_lengths):
+        loss = compiled(packed.input_ids, packed.labels, packed.position_ids)
+        loss.backward()
+        record = dcp.explain(compiled, packed.input_ids, packed.labels, packed.position_ids)
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected_grads[name], rtol=1e-3, atol=1e-5, msg=name)
+    variant = record[0].variants[dcp.Variant(1, packed=True, attention="flex")]
+    assert "flex_attention" in variant.forward_graph and "flex_attention" in variant.backward_graph
+    assert variant.inner_fallback is None

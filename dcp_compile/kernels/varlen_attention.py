@@ -183,7 +183,9 @@ def varlen_attention(
     kernel, FlexAttention with a document mask, or SDPA when every sequence has the same length;
     on CPU the torch reference); ``kernel`` (a :class:`.attention_choice.VarlenKernel` value) forces
     one. :func:`last_varlen_choice` says what the last call ran and why. Under ``torch.compile``
-    (symbolic sizes) the call stays the ``dcp::`` op.
+    (symbolic sizes) a direct call stays the ``dcp::`` op; the packed micro-batches dcp compiles
+    (``dcp.use(..., sequence_lengths=...)``) choose per call in the dispatcher instead
+    (``compiler/passes/use_varlen_attention.py``).
     """
     _check_inputs(q, k, v, cu_seqlens)
     choice = _choose(q, cu_seqlens, max_seqlen, causal, kernel)

@@ -171,12 +171,13 @@ def graph_block_size(device: torch.device) -> int:
 def flex_document_attention_traceable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                                       causal: bool, scale: Optional[float]) -> torch.Tensor:
     """Packed q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]`` by the FlexAttention operator
-    with a document block mask; traceable with a symbolic ``T`` and sequence count, no host sync
-    (``cu_seqlens`` is only moved to the tokens' device)."""
+    with a document block mask; traceable with a symbolic ``T`` and sequence count, no host sync:
+    ``cu_seqlens`` (on the host) is copied to the tokens' device without waiting, and every size is
+    known from the shapes (``repeat_interleave`` is given its output size)."""
     from torch._higher_order_ops.flex_attention import flex_attention as flex_operator
 
     total, hq, dim = q.shape
-    documents = document_ids(cu_seqlens.to(device=q.device), total)
+    documents = document_ids(cu_seqlens.to(device=q.device, non_blocking=True), total)
     mask = document_block_mask(documents, total, causal, graph_block_size(q.device))
     layout = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]  # [1, H, T, D]
     outputs = flex_operator(*layout, _identity_score, mask.as_tuple(),
