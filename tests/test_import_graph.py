@@ -106,7 +106,8 @@ def test_no_import_after_code_in_the_passes():
 
 SEQUENCE_DIMS = f"{PASSES}.sequence_dims"
 RULE_MODULES = ["attention_rules", "view_rules", "indexing_rules", "reduction_rules", "matmul_rules", "token_sets",
-                "elementwise_rules", "grid_rules", "schema_reductions", "inplace_writes", "decomposition_rules"]
+                "elementwise_rules", "grid_rules", "schema_reductions", "inplace_writes", "decomposition_rules",
+                "spatial_rules"]
 
 
 @pytest.mark.parametrize("name", RULE_MODULES)

@@ -10,7 +10,8 @@ Laid out as PyTorch's DTensor op rules are (``torch/distributed/tensor/_ops/``):
 * one module of rules per op family, each importing only the three above: ``attention_rules``,
   ``view_rules``, ``indexing_rules`` (with joint segments), ``reduction_rules``,
   ``matmul_rules``, ``token_sets`` (an MoE's sorted tokens), ``elementwise_rules``,
-  ``grid_rules`` (token grids run on each rank's window), ``schema_reductions`` (any reduction,
+  ``grid_rules`` (token grids run on each rank's window), ``spatial_rules`` (convolution, pooling
+  and resampling along their batch and channel dimensions), ``schema_reductions`` (any reduction,
   read off its schema and shapes), ``decomposition_rules`` (any op torch can decompose, read
   through its decomposition), ``inplace_writes`` (buffers written in place: default deny);
 * ``propagation``: the driver (attention length, then roles in topological order) and the pass.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from dcp_compile.compiler.passes.sequence_dims import (  # noqa: F401  (each registers its rules)
     attention_rules, decomposition_rules, elementwise_rules, grid_rules, indexing_rules, inplace_writes, matmul_rules, reduction_rules,
-    schema_reductions, token_sets, view_rules,
+    schema_reductions, spatial_rules, token_sets, view_rules,
 )
 from dcp_compile.compiler.passes.sequence_dims.model import (
     GridRegion, NodeRole, Rewrite, Role, SequenceAnalysis, SequenceDim, TokenPositions,
