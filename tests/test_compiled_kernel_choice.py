@@ -250,6 +250,27 @@ def test_packed_calls_run_the_kernel_the_table_chooses_at_sp2():
         assert "packed attention: flex (nearest cpu (test fixture) case 'short docs causal" in summary
 
 
+def _huggingface_flex_worker(rank, world_size, table):
+    """test_packed_batches' Hugging Face Llama worker (GQA 4/2, attn_implementation='dcp', SP 1 and
+    2, parity asserted there) with the fixture table: it must run on FlexAttention."""
+    from test_packed_batches import _huggingface_worker
+
+    os.environ[TABLE_ENV] = table
+    with counting_kernels() as counts:
+        all_to_all = _huggingface_worker(rank, world_size)
+    return all_to_all, counts
+
+
+@pytest.mark.slow
+def test_huggingface_llama_packed_runs_flex_attention_at_sp2():
+    pytest.importorskip("transformers", reason="needs `pip install .[hf]`")
+    results = run_in_process_world(_huggingface_flex_worker, 2, str(FIXTURE), timeout=1500)
+    for all_to_all, counts in results:
+        assert all_to_all == 8  # Ulysses only: 2 attentions x (q, k, v, out)
+        assert counts["flex_fwd"] >= 4 and counts["flex_bwd"] >= 4, counts  # 2 layers x (SP 1, SP 2), at least
+        assert counts["reference_fwd"] == counts["reference_bwd"] == 0, counts
+
+
 def _inductor_worker(rank, world_size, table):
     from test_packed_batches import _mismatches, _model, _reference, _sequences
 

@@ -10,7 +10,8 @@ generated with the forward), which is why the measured H200 table prefers it for
 On CUDA the call goes through ``torch.compile(flex_attention)`` (eager FlexAttention is a dense
 reference); elsewhere it runs eagerly, exact, at ``O(T^2)`` memory (CPU tests).
 
-Compiled graphs take :func:`flex_document_attention_traceable` instead: the block mask is built
+Compiled graphs take :func:`document_mask_inputs` (once per graph) and
+:func:`flex_document_attention_of_mask` (per attention) instead: the block mask is built
 from each block's first and last document with plain tensor ops (``create_block_mask`` maps the
 mask over every position with ``vmap``, which a pre-dispatch trace with a symbolic token count
 bakes into constants), and the FlexAttention operator is called directly, so the graph holds it
@@ -131,15 +132,19 @@ def document_block_bitmaps(documents: torch.Tensor, total: Any, causal: bool,
     return shares & ~full, full
 
 
-def document_block_mask(documents: torch.Tensor, total: Any, causal: bool, block: int) -> Any:
-    """FlexAttention's ``BlockMask`` of the document mask, from :func:`document_block_bitmaps`."""
+def document_block_mask_tensors(documents: torch.Tensor, total: Any, causal: bool,
+                                block: int) -> tuple[torch.Tensor, ...]:
+    """The tensors of FlexAttention's ``BlockMask`` of the document mask (kv-major then q-major
+    counts and indices, partial then full), from :func:`document_block_bitmaps`."""
+    partial, full = document_block_bitmaps(documents, total, causal, block)
+    return (*_ordered(partial), *_ordered(full), *_ordered(partial.transpose(0, 1)), *_ordered(full.transpose(0, 1)))
+
+
+def block_mask_of(tensors: tuple[torch.Tensor, ...], total: Any, causal: bool, block: int) -> Any:
+    """The ``BlockMask`` of :func:`document_block_mask_tensors`' tensors."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    partial, full = document_block_bitmaps(documents, total, causal, block)
-    kv_counts, kv_indices = _ordered(partial)
-    full_kv_counts, full_kv_indices = _ordered(full)
-    q_counts, q_indices = _ordered(partial.transpose(0, 1))
-    full_q_counts, full_q_indices = _ordered(full.transpose(0, 1))
+    kv_counts, kv_indices, full_kv_counts, full_kv_indices, q_counts, q_indices, full_q_counts, full_q_indices = tensors
     return BlockMask(seq_lengths=(total, total), kv_num_blocks=kv_counts, kv_indices=kv_indices,
                      full_kv_num_blocks=full_kv_counts, full_kv_indices=full_kv_indices,
                      q_num_blocks=q_counts, q_indices=q_indices, full_q_num_blocks=full_q_counts,
@@ -168,19 +173,35 @@ def graph_block_size(device: torch.device) -> int:
     return 128 if device.type == "cuda" else 16
 
 
-def flex_document_attention_traceable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                                      causal: bool, scale: Optional[float]) -> torch.Tensor:
+def document_mask_inputs(cu_seqlens: torch.Tensor, tokens: torch.Tensor, causal: bool) -> tuple[torch.Tensor, ...]:
+    """Document ids and block-mask tensors for packed ``tokens`` (``[T, ...]``, read for ``T`` and
+    the device only): built once per graph and causality, shared by every attention site.
+    Traceable with a symbolic ``T`` and sequence count, no host sync: ``cu_seqlens`` (on the host)
+    is copied to the device without waiting, and ``repeat_interleave`` is given its output size."""
+    total = tokens.shape[0]
+    documents = document_ids(cu_seqlens.to(device=tokens.device, non_blocking=True), total)
+    return (documents, *document_block_mask_tensors(documents, total, causal, graph_block_size(tokens.device)))
+
+
+def flex_document_attention_of_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    mask_inputs: tuple[torch.Tensor, ...], causal: bool,
+                                    scale: Optional[float]) -> torch.Tensor:
     """Packed q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]`` by the FlexAttention operator
-    with a document block mask; traceable with a symbolic ``T`` and sequence count, no host sync:
-    ``cu_seqlens`` (on the host) is copied to the tokens' device without waiting, and every size is
-    known from the shapes (``repeat_interleave`` is given its output size)."""
+    (called directly, so a traced graph holds it and AOTAutograd derives its backward) over
+    :func:`document_mask_inputs`."""
     from torch._higher_order_ops.flex_attention import flex_attention as flex_operator
 
     total, hq, dim = q.shape
-    documents = document_ids(cu_seqlens.to(device=q.device, non_blocking=True), total)
-    mask = document_block_mask(documents, total, causal, graph_block_size(q.device))
+    documents, *tensors = mask_inputs
+    mask = block_mask_of(tuple(tensors), total, causal, graph_block_size(q.device))
     layout = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]  # [1, H, T, D]
     outputs = flex_operator(*layout, _identity_score, mask.as_tuple(),
                             scale if scale is not None else 1.0 / math.sqrt(dim),
                             _kernel_options(*layout), (), (documents,))
     return outputs[0].squeeze(0).transpose(0, 1)  # (out, lse[, max]): the count differs by version
+
+
+def flex_document_attention_traceable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                                      causal: bool, scale: Optional[float]) -> torch.Tensor:
+    """:func:`flex_document_attention_of_mask` with its own mask (one attention alone)."""
+    return flex_document_attention_of_mask(q, k, v, document_mask_inputs(cu_seqlens, q, causal), causal, scale)

@@ -37,8 +37,8 @@ from dcp_compile.kernels import varlen_attention as _register_varlen_ops  # noqa
 from dcp_compile.kernels.attention_choice import TABLE_ENV, VarlenChoice, VarlenKernel, VarlenShape, \
     available_in_graph, choose_varlen_kernel
 from dcp_compile.kernels.dispatch import requested_backend
-from dcp_compile.kernels.varlen_flex import flex_document_attention_traceable
-from dcp_compile.compiler.graph_capture import splice_traced
+from dcp_compile.kernels.varlen_flex import document_mask_inputs, flex_document_attention_of_mask
+from dcp_compile.compiler.graph_capture import retrace, splice_traced
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import SDPA, sdpa_argument
 
@@ -66,18 +66,41 @@ def _why_not_packable(sdpa: fx.Node) -> str | None:
     return None
 
 
-def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, boundaries: torch.Tensor,
-                     *, causal: bool, scale: float | None, flex: bool = False) -> torch.Tensor:
-    """SDPA's ``[B, H, T, D]`` in and out; varlen attention over the ``B*T`` tokens in between
-    (the ``dcp::`` op, or FlexAttention with a document mask when ``flex``)."""
-    def tokens(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [B*T, H, D], every row in order
-        return x.transpose(1, 2).flatten(0, 1)
+def tokens(x: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T, D]`` -> ``[B*T, H, D]``, every row in order."""
+    return x.transpose(1, 2).flatten(0, 1)
 
-    if flex:
-        out = flex_document_attention_traceable(tokens(query), tokens(key), tokens(value), boundaries, causal, scale)
-        return out.reshape(query.transpose(1, 2).shape).transpose(1, 2)
+
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, boundaries: torch.Tensor,
+                     *, causal: bool, scale: float | None) -> torch.Tensor:
+    """SDPA's ``[B, H, T, D]`` in and out; varlen attention over the ``B*T`` tokens in between."""
     out, _ = VARLEN_ATTENTION(tokens(query), tokens(key), tokens(value), boundaries, 0, causal, scale)
     return out.view_as(query.transpose(1, 2)).transpose(1, 2)
+
+
+def packed_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *mask_inputs: torch.Tensor,
+                          causal: bool, scale: float | None) -> torch.Tensor:
+    """:func:`packed_attention` by FlexAttention over the graph's shared document mask."""
+    out = flex_document_attention_of_mask(tokens(query), tokens(key), tokens(value), mask_inputs, causal, scale)
+    return out.reshape(query.transpose(1, 2).shape).transpose(1, 2)
+
+
+def insert_document_mask(gm: fx.GraphModule, before: fx.Node, query: fx.Node, boundaries: fx.Node, causal: bool,
+                         ctx: PassContext) -> tuple[fx.Node, ...]:
+    """The document ids and block-mask tensors, traced once into the graph before ``before``: every
+    attention of that causality reads them (built per site, a graph of 40 layers would launch
+    the mask's kernels 40 times a step)."""
+    def build(boundaries: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return document_mask_inputs(boundaries, tokens(query), causal)
+
+    subgraph = retrace(build, [boundaries.meta["val"], query.meta["val"]], ctx.fake_mode)
+    for constant in subgraph.graph.find_nodes(op="get_attr"):  # lifted constants move over
+        name = f"_dcp_document_mask_{int(causal)}_{constant.target}"
+        setattr(gm, name, getattr(subgraph, constant.target))
+        constant.target = name
+    placeholders = subgraph.graph.find_nodes(op="placeholder")
+    with gm.graph.inserting_before(before):
+        return tuple(gm.graph.graph_copy(subgraph.graph, dict(zip(placeholders, [boundaries, query]))))
 
 
 @dataclass(frozen=True)
@@ -157,10 +180,17 @@ def use_varlen_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
                              "Run this model on padded batches (dcp.use without sequence_lengths).")
     boundaries = add_sequence_boundaries_input(gm, ctx)
     flex = ctx.packed_attention == VarlenKernel.FLEX.value
+    masks: dict[bool, tuple[fx.Node, ...]] = {}  # FlexAttention's document mask, once per causality
     for sdpa in sites:
-        lower = functools.partial(packed_attention, causal=bool(sdpa_argument(sdpa, "is_causal")),
-                                  scale=sdpa_argument(sdpa, "scale"), flex=flex)
-        splice_traced(gm, sdpa, lower, [*sdpa.args[:3], boundaries], ctx.fake_mode)
+        causal, scale = bool(sdpa_argument(sdpa, "is_causal")), sdpa_argument(sdpa, "scale")
+        if flex:
+            if causal not in masks:
+                masks[causal] = insert_document_mask(gm, sdpa, sdpa.args[0], boundaries, causal, ctx)
+            lower = functools.partial(packed_flex_attention, causal=causal, scale=scale)
+            splice_traced(gm, sdpa, lower, [*sdpa.args[:3], *masks[causal]], ctx.fake_mode)
+        else:
+            lower = functools.partial(packed_attention, causal=causal, scale=scale)
+            splice_traced(gm, sdpa, lower, [*sdpa.args[:3], boundaries], ctx.fake_mode)
     gm.recompile()
     how = "FlexAttention with a document mask" if flex else "the dcp::varlen_attention op"
     why = ctx.packed_attention_reason  # "<kernel> (<the table's case, or why there is none>)"
