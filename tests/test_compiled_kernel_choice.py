@@ -251,24 +251,45 @@ def test_packed_calls_run_the_kernel_the_table_chooses_at_sp2():
 
 
 def _huggingface_flex_worker(rank, world_size, table):
-    """test_packed_batches' Hugging Face Llama worker (GQA 4/2, attn_implementation='dcp', SP 1 and
-    2, parity asserted there) with the fixture table: it must run on FlexAttention."""
-    from test_packed_batches import _huggingface_worker
+    """Hugging Face LlamaForCausalLM (GQA 4/2) with attn_implementation='dcp', packed rows at SP 1
+    and 2 against its own sdpa attention on each sequence alone, with the fixture table."""
+    from dcp_compile.runtime.huggingface import use_packed_attention
+    from model_zoo import tiny_llama
+    from test_packed_batches import _mismatches, _reference
 
     os.environ[TABLE_ENV] = table
+    torch.manual_seed(0)
+    model = tiny_llama()
+    sequences = [torch.randint(2, 100, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 1, 6)]
+    expected, expected_grads = _reference(model, sequences, lambda m, s: m(input_ids=s[None], labels=s[None]).loss)
+    use_packed_attention(model)
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "aot_eager"})
+    packed = dcp.pack_sequences(sequences)
+    inputs = dict(input_ids=packed.input_ids, labels=packed.labels, position_ids=packed.position_ids)
+    problems = []
     with counting_kernels() as counts:
-        all_to_all = _huggingface_worker(rank, world_size)
-    return all_to_all, counts
+        for sp_size in (1, 2):
+            model.zero_grad(set_to_none=True)
+            with dcp.use(dcp.Variant(sp_size), sequence_lengths=packed.sequence_lengths):
+                loss = compiled(**inputs).loss
+            loss.backward()
+            problems += _mismatches(f"sp={sp_size}", model, loss, expected, expected_grads,
+                                    summed_over_world=sp_size > 1)
+    if problems:
+        raise AssertionError("\n".join(problems))
+    with dcp.use(dcp.Variant(2), sequence_lengths=packed.sequence_lengths):
+        record = dcp.explain(compiled, **inputs)
+    variant = record[0].variants[dcp.Variant(2, packed=True, attention="flex")]
+    return variant.collectives.get("all_to_all_single", 0) - variant.output_gathers, variant.is_sharded, counts
 
 
 @pytest.mark.slow
 def test_huggingface_llama_packed_runs_flex_attention_at_sp2():
     pytest.importorskip("transformers", reason="needs `pip install .[hf]`")
     results = run_in_process_world(_huggingface_flex_worker, 2, str(FIXTURE), timeout=1500)
-    for all_to_all, counts in results:
-        assert all_to_all == 8  # Ulysses only: 2 attentions x (q, k, v, out)
-        assert counts["flex_fwd"] >= 4 and counts["flex_bwd"] >= 4, counts  # 2 layers x (SP 1, SP 2), at least
-        assert counts["reference_fwd"] == counts["reference_bwd"] == 0, counts
+    for all_to_all, sharded, counts in results:
+        assert all_to_all == 8 and sharded  # Ulysses only: 2 attentions x (q, k, v, out)
+        assert counts == {"flex_fwd": 4, "flex_bwd": 4, "reference_fwd": 0, "reference_bwd": 0}, counts
 
 
 def _inductor_worker(rank, world_size, table):
