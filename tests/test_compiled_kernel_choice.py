@@ -163,6 +163,23 @@ def test_the_choice_a_graph_can_run(monkeypatch):
         choose_packed_attention(sites, cu, torch.device("cpu"), "aot_eager")
 
 
+def test_eager_varlen_attention_on_cpu_with_a_table_keeps_a_backward(monkeypatch):
+    """With a table on CPU, eager varlen_attention() may pick FlexAttention for inference only:
+    torch has no CPU FlexAttention backward, so with gradients it runs the reference."""
+    from dcp_compile.kernels.varlen_attention import last_varlen_choice, varlen_attention
+
+    monkeypatch.setenv(TABLE_ENV, str(FIXTURE))
+    monkeypatch.delenv("DCP_KERNELS", raising=False)
+    cu = _lengths_cu(SHORT)
+    q, k, v = (torch.randn(sum(SHORT), 2, 8, dtype=torch.float64) for _ in range(3))
+    with torch.no_grad():
+        varlen_attention(q, k, v, cu, max(SHORT), causal=True)
+    assert last_varlen_choice().kernel is VarlenKernel.FLEX
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    varlen_attention(*leaves, cu, max(SHORT), causal=True).sum().backward()
+    assert last_varlen_choice().kernel is VarlenKernel.REFERENCE and q.grad is not None
+
+
 def _choice_worker(rank, world_size, variants, table):
     """TinyGPT, compiled once: packed rows of short sequences (FlexAttention by the table) and long
     ones (the dcp:: op), each against eager on every sequence alone; returns per-variant facts."""

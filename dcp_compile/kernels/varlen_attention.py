@@ -20,7 +20,8 @@ from typing import Any, Optional
 import torch
 
 from . import varlen_attention_reference as reference
-from .attention_choice import VarlenChoice, VarlenKernel, VarlenShape, choose_varlen_kernel, equal_length_sdpa
+from .attention_choice import VarlenChoice, VarlenKernel, VarlenShape, available_kernels, choose_varlen_kernel, \
+    equal_length_sdpa
 from .dispatch import kernel_backend
 from .varlen_flex import flex_document_attention
 from .triton_loader import triton_module
@@ -188,7 +189,8 @@ def varlen_attention(
     (``compiler/passes/use_varlen_attention.py``).
     """
     _check_inputs(q, k, v, cu_seqlens)
-    choice = _choose(q, cu_seqlens, max_seqlen, causal, kernel)
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    choice = _choose(q, cu_seqlens, max_seqlen, causal, kernel, needs_grad)
     if choice is not None and choice.kernel is VarlenKernel.FLEX:
         return flex_document_attention(q, k, v, cu_seqlens, causal, scale)
     if choice is not None and choice.kernel is VarlenKernel.EQUAL_SDPA:
@@ -206,7 +208,7 @@ def last_varlen_choice() -> Optional[VarlenChoice]:
 
 
 def _choose(q: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool,
-            kernel: Optional[str]) -> Optional[VarlenChoice]:
+            kernel: Optional[str], needs_grad: bool = False) -> Optional[VarlenChoice]:
     if any(isinstance(size, torch.SymInt) for size in (*q.shape, *cu_seqlens.shape)):
         return None  # traced: the dcp:: op, whose kernel is picked when it runs
     shape = VarlenShape.of(q, cu_seqlens, max_seqlen, causal)
@@ -216,6 +218,9 @@ def _choose(q: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: 
             raise ValueError(f"kernel='equal_sdpa' needs sequences of one length (max_seqlen * sequences == tokens), "
                              f"got {shape.num_seqs} sequences of up to {max_seqlen} over {shape.total_tokens} tokens")
     else:
-        choice = choose_varlen_kernel(shape)
+        available = available_kernels(shape)
+        if needs_grad and shape.device_type != "cuda":
+            available.discard(VarlenKernel.FLEX)  # torch has no FlexAttention backward off CUDA
+        choice = choose_varlen_kernel(shape, available=available)
     _last_choice[0] = choice
     return choice
