@@ -113,13 +113,13 @@ class PackedSite:
 
 
 def packed_sites(gm: fx.GraphModule) -> tuple[PackedSite, ...]:
-    """The graph's SDPA sites as the choice sees them (read once, from the analysed graph)."""
+    """The graph's distinct SDPA sites as the choice sees them (read once, from the analysed graph)."""
     sites = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is SDPA:
             query = node.args[0].meta["val"]
             sites.append(PackedSite(bool(sdpa_argument(node, "is_causal")), int(query.shape[-1]), query.dtype))
-    return tuple(sites)
+    return tuple(dict.fromkeys(sites))  # one per kind: the per-call cache key stays small
 
 
 @functools.lru_cache(maxsize=4096)
