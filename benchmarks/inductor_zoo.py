@@ -4,17 +4,18 @@ Each diffusers case of ``dcp_compile/testing/real_models.py`` is compiled with
 ``torch.compile(model, backend="dcp", dynamic=True, options={"inner": "inductor", "sp_size": 2})``
 in its own process, on a 2-rank *fake* process group (collectives compile but move no data: this is
 a compile survey, parity is ``tests/test_inductor_zoo.py``'s job on gloo), and run forward and
-backward at the case's first token count, so both the forward and the (lazily compiled) backward
-meet Inductor. Per case it records every variant whose inner compiler fell back
+backward at each of the case's two token counts, so both the forward and the (lazily compiled)
+backward meet Inductor, and the second token count runs what was compiled at the first (a compiled
+backward that asserted the first length's strides failed there). Per case it records every variant whose inner compiler fell back
 (``VariantRecord.inner_fallback``, the line ``dcp.explain`` prints) and any exception.
 
     PYTHONPATH=. python benchmarks/inductor_zoo.py                      # every diffusers DiT
     PYTHONPATH=. python benchmarks/inductor_zoo.py --cases sana,flux --out /tmp/x.md
     PYTHONPATH=. python benchmarks/inductor_zoo.py --no-patch           # torch's Inductor as shipped
 
-``--no-patch`` sets ``DCP_INDUCTOR_PATCHES=0`` (dcp_compile/compiler/inductor_patches.py), so the
-run shows what torch's own Inductor does. Inductor on CPU generates and compiles C++: about 1-3
-minutes per case on a loaded 2-core machine. The table is rewritten after every case; ``--resume``
+``--no-patch`` sets ``DCP_INDUCTOR_PATCHES=0`` (dcp_compile/compiler/inductor_patches.py, whose
+fixes are on by default), so the run shows what torch's own Inductor does. Inductor on CPU generates
+and compiles C++: 3 to 25 minutes per case on a loaded 2-core machine; run one case at a time. The table is rewritten after every case; ``--resume``
 keeps the cases already in the JSON file.
 """
 
@@ -52,9 +53,9 @@ def survey_one(name: str, tokens: int | None, rank: int = 0) -> dict[str, Any]:
     case = rm.CASES[name]
     for setting, value in case.dynamo_config:
         setattr(torch._dynamo.config, setting, value)
-    n = tokens or case.lengths[0]
+    lengths = (tokens,) if tokens else tuple(case.lengths)
     row: dict[str, Any] = {"model": name, "rank": rank, "class": case.model_class, "tokens": None, "fallbacks": [],
-                           "error": None, "where": None, "seconds": None}
+                           "error": None, "where": None, "seconds": None, "lengths_run": []}
     warnings: list[str] = []
 
     class Catch(logging.Handler):
@@ -67,14 +68,17 @@ def survey_one(name: str, tokens: int | None, rank: int = 0) -> dict[str, Any]:
     try:
         model = case.build()
         compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "inductor", "sp_size": 2})
-        inputs, row["tokens"] = case.make_inputs(n)
+        inputs, first = case.make_inputs(lengths[0])
+        row["tokens"] = first
         record = dcp.explain(compiled, **inputs)
         for graph in record.graphs:
             for variant in graph.variants.values():
                 if variant.inner_fallback:
                     row["fallbacks"].append(f"graph {graph.graph_id} {variant.variant}: {variant.inner_fallback}")
-        inputs, _ = case.make_inputs(n)
-        case.loss_of(compiled(**inputs)).backward()
+        for n in lengths:  # the second runs the forward and backward compiled at the first
+            inputs, actual = case.make_inputs(n)
+            case.loss_of(compiled(**inputs)).backward()
+            row["lengths_run"].append(actual)
     except Exception as error:  # noqa: BLE001 - the survey records every failure
         row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
         frames = traceback.extract_tb(error.__traceback__)
@@ -82,10 +86,11 @@ def survey_one(name: str, tokens: int | None, rank: int = 0) -> dict[str, Any]:
         row["traceback"] = traceback.format_exc()[-4000:]
     row["seconds"] = round(time.perf_counter() - start, 1)
     row["fallback_warnings"] = len(warnings)
-    from dcp_compile.compiler.inductor_patches import rescued_stride_sorts, unknown_value_ranges
+    from dcp_compile.compiler.inductor_patches import rescued_stride_sorts, symbolic_saved_strides, unknown_value_ranges
 
     row["patched_sorts"] = rescued_stride_sorts()  # > 0: torch's Inductor as shipped would have failed
     row["unknown_ranges"] = unknown_value_ranges()  # > 0: the second fix was needed too
+    row["symbolic_strides"] = symbolic_saved_strides()  # forward outputs handed to the backward symbolically
     return row
 
 
@@ -102,7 +107,7 @@ def render(rows: list[dict[str, Any]], patched: bool) -> str:
         f"dcp's Inductor patches {'on' if patched else 'off (DCP_INDUCTOR_PATCHES=0)'}; "
         "`PYTHONPATH=. python benchmarks/inductor_zoo.py"
         f"{'' if patched else ' --no-patch'}`. Each case: compile with `inner=\"inductor\"`, SP 2 on a "
-        "fake 2-rank process group, forward and backward at the first token count (compile survey; "
+        "fake 2-rank process group, forward and backward at each token count run (compile survey; "
         "parity on gloo is `tests/test_inductor_zoo.py`).",
         "",
         f"**{len(rows)} runs: {len(rows) - len(fallbacks) - len(errors) - len(unfinished)} compile with Inductor, "
@@ -114,10 +119,11 @@ def render(rows: list[dict[str, Any]], patched: bool) -> str:
         "pytorch/pytorch#172204) redid with the shape environment; more than 0 means torch's Inductor as "
         "shipped fails on this model (a forward sort: the variant falls back to aot_eager; a backward one: "
         "the first backward raises). Unknown ranges: negative powers whose value range the second fix left "
-        "unknown (before it, the backward failed on rank 1 of Sana).",
+        "unknown (before it, the backward failed on rank 1 of Sana). Symbolic strides: forward outputs whose "
+        "strides dcp handed to the backward as expressions (the third fix; '-': a run before it).",
         "",
-        "| model | class | rank | tokens | Inductor | patched sorts | unknown ranges | seconds |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | class | rank | tokens run | Inductor | patched sorts | unknown ranges | symbolic strides | seconds |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if row["error"]:
@@ -127,8 +133,10 @@ def render(rows: list[dict[str, Any]], patched: bool) -> str:
         else:
             status = "ok"
         status += f" ({row['note']})" if row.get("note") else ""
-        lines.append(f"| {row['model']} | {row['class']} | {row.get('rank', 0)} | {row['tokens']} | {status.replace('|', '/')} | "
-                     f"{row.get('patched_sorts', '-')} | {row.get('unknown_ranges', '-')} | {row['seconds']} |")
+        run = ", ".join(str(n) for n in row.get("lengths_run") or []) or row["tokens"]
+        lines.append(f"| {row['model']} | {row['class']} | {row.get('rank', 0)} | {run} | {status.replace('|', '/')} | "
+                     f"{row.get('patched_sorts', '-')} | {row.get('unknown_ranges', '-')} | "
+                     f"{row.get('symbolic_strides', '-')} | {row['seconds']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -157,8 +165,10 @@ def main() -> None:
         out.write_text(render(rows, not args.no_patch))
         return
     done = {row["model"] for row in rows}
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
-           "DCP_INDUCTOR_PATCHES": "0" if args.no_patch else "1"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    env.pop("DCP_INDUCTOR_PATCHES", None)  # dcp's fixes are on by default
+    if args.no_patch:
+        env["DCP_INDUCTOR_PATCHES"] = "0"
     def survey(name: str) -> dict[str, Any]:
         start = time.perf_counter()
         try:

@@ -35,7 +35,7 @@ def test_diffusers_dit_compiles_with_inductor_without_fallback(name: str, monkey
     # The ranks' Inductor compiles (each rank's chunk bounds differ) can finish minutes apart on a
     # loaded machine: the rank check waits that long instead of its 300 s default.
     monkeypatch.setenv("DCP_RANK_CHECK_TIMEOUT", str(int(CASE_TIMEOUT)))
-    monkeypatch.setenv("DCP_INDUCTOR_PATCHES", "1")  # dcp's opt-in Inductor fixes (compiler/inductor_patches.py)
+    monkeypatch.delenv("DCP_INDUCTOR_PATCHES", raising=False)  # dcp's Inductor fixes as shipped: on (inductor_patches.py)
     case = rm.CASES[name]
     rows = rm.run_case(name, world_size=2, timeout=CASE_TIMEOUT, lengths=case.lengths, inner="inductor")
     for row in rows:

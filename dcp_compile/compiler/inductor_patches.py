@@ -12,12 +12,20 @@ is redone by Inductor's own symbolic comparator (``argsort_sym``) with the shape
 the strides (or of the graph being lowered). The order only picks a layout (Inductor then fixes
 the strides it chose), so it cannot change results.
 
-The fixes are OFF by default: ``DCP_INDUCTOR_PATCHES=1`` turns them on, where torch is at most
-:data:`LAST_AFFECTED` and the functions they wrap exist. Why off: with them, a grid model (tokens
-``H*W``) compiles forward and backward and matches eager at its first length, but its compiled
-backward then asserts a stride of the first length at the next one (``expected size 2==2, stride
-320==336``; GridConvModel at SP 1, fresh Inductor cache; not yet understood). Off, the bug makes
-``compile_inductor`` fall back to ``aot_eager`` for that variant, exact, and ``dcp.explain`` says so.
+A second fix (below) gives a negative power an unknown value range instead of an error. Both are on
+by default where torch is at most :data:`LAST_AFFECTED` and the functions they wrap exist.
+
+A third fix is dcp's own, not a torch bug's (below, :func:`symbolic_forward_output_strides`): the
+strides of the activations the compiled backward receives are handed to it symbolically, not as
+their values at the length the variant was compiled at. Without it a model with a convolution over
+its tokens (a grid model, on CPU) compiled forward and backward and matched eager at its first
+length, and its backward then asserted that length's stride at the next one (``expected size 2==2,
+stride 320==336``), also with a single size symbol and with the two fixes above off. It is on
+wherever torch has what it reads, and keys the compile's cache entries by a tag
+(:func:`caches_keyed_by_the_fix`) so that an entry written without it is not reused.
+
+``DCP_INDUCTOR_PATCHES=0`` turns all three off (Inductor as shipped: a model that meets the sort bug
+then runs that variant under ``aot_eager``, exact, and ``dcp.explain`` says so).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ class StrideSortPatch:
 
     rescued: int = 0
     unknown_ranges: int = 0
+    symbolic_strides: int = 0  # forward outputs whose strides the backward reads symbolically (over the process only)
 
 
 _total = StrideSortPatch()  # over the process, for reports and tests
@@ -59,15 +68,25 @@ def unknown_value_ranges() -> int:
     return _total.unknown_ranges
 
 
+def symbolic_saved_strides() -> int:
+    """Forward outputs whose strides the backward was handed symbolically in this process."""
+    return _total.symbolic_strides
+
+
+def switched_off() -> bool:
+    """``DCP_INDUCTOR_PATCHES=0``: Inductor as shipped (the fixes are on unless switched off)."""
+    return os.environ.get(ENV_SWITCH, "1") == "0"
+
+
 def _torch_release() -> tuple[int, int]:
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
 def stride_sort_patch_applies() -> bool:
-    """The patch is asked for (``DCP_INDUCTOR_PATCHES=1``), needed (torch <= 2.13) and can be
-    applied (the functions it wraps exist)."""
-    if os.environ.get(ENV_SWITCH, "0") != "1" or _torch_release() > LAST_AFFECTED:
+    """The patch is not switched off (``DCP_INDUCTOR_PATCHES=0``), is needed (torch <= 2.13) and can
+    be applied (the functions it wraps exist)."""
+    if switched_off() or _torch_release() > LAST_AFFECTED:
         return False
     try:
         from torch._inductor import ir, utils
@@ -146,7 +165,7 @@ NEGATIVE_EXPONENT = "Exponent must be non-negative"
 
 
 def value_range_patch_applies() -> bool:
-    if os.environ.get(ENV_SWITCH, "0") != "1" or _torch_release() > LAST_AFFECTED:
+    if switched_off() or _torch_release() > LAST_AFFECTED:
         return False
     try:
         from torch.utils._sympy.value_ranges import SymPyValueRangeAnalysis, ValueRanges
@@ -201,3 +220,77 @@ def stride_sort_with_shape_env() -> Iterator[StrideSortPatch]:
 
 
 scoped_inductor_fixes = stride_sort_with_shape_env
+
+
+# --- symbolic strides for the activations the backward receives -----------------------------------
+# Inductor may give a forward output a layout other than the one its fake tensor has (on CPU, with
+# oneDNN, layout optimisation is on for any graph with a convolution, even a dynamic one, and turns
+# every 4-d tensor that feeds a convolution channels-last: a grid model's attention output
+# ``[B, heads, S, head_dim]`` saved for the backward). AOTAutograd then restrides the backward's
+# placeholder to the strides Inductor reports, which ``set_tracing_context_output_strides``
+# evaluates at this compile's sizes (``TracingContext.output_strides``: "real_stride can't be
+# symbolic"), so the compiled backward asserts this length's strides (``stride 320==336``) at every
+# other length. Under dynamo that is a guard and a recompile; a dcp variant is compiled once, with its
+# guards suppressed, for every length, so the backward fails at the next length instead. Read back as
+# the symbolic expressions Inductor printed (what dynamo's DDP optimizer gets with
+# ``fakify_first_call``), the same strides hold at every length. Not tied to LAST_AFFECTED: the
+# concrete restride is torch's design, not a bug a release fixes; it needs the names it reads.
+
+
+def symbolic_output_strides_apply() -> bool:
+    """The fix is not switched off and torch has what it reads."""
+    if switched_off():
+        return False
+    from torch._guards import TracingContext
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return callable(getattr(ShapeEnv, "deserialize_symexpr", None)) and hasattr(TracingContext, "report_output_strides")
+
+
+def symbolic_forward_output_strides(compiled: Any, example_inputs: Sequence[Any]) -> int:
+    """After Inductor compiled a forward graph: the strides it reports for the graph's outputs (the
+    backward's saved activations among them) become symbolic in ``TracingContext.output_strides``,
+    where AOTAutograd reads them to restride the backward's inputs. Returns how many outputs had
+    a symbolic stride; 0 where there is nothing to do (no tracing context, static strides, the fix off)."""
+    from torch._guards import TracingContext
+
+    printed = getattr(compiled, "output_strides", None)
+    context = TracingContext.try_get()
+    reported = getattr(context, "output_strides", None)
+    if not printed or reported is None or len(reported) != len(printed) or not symbolic_output_strides_apply():
+        return 0
+    from torch._inductor.utils import shape_env_from_inputs
+
+    shape_env = shape_env_from_inputs(example_inputs)
+    if shape_env is None:
+        return 0
+    made = 0
+    for index, exprs in enumerate(printed):
+        if exprs is None or reported[index] is None:
+            continue
+        strides = tuple(shape_env.deserialize_symexpr(expr) for expr in exprs)
+        if any(isinstance(stride, torch.SymInt) and not stride.node.expr.is_number for stride in strides):
+            reported[index] = strides
+            made += 1
+    _total.symbolic_strides += made
+    return made
+
+
+CACHE_TAG = "dcp-symbolic-saved-strides"
+
+
+@contextlib.contextmanager
+def caches_keyed_by_the_fix() -> Iterator[None]:
+    """Key the compile's AOTAutograd and Inductor cache entries with a tag naming the fix
+    (``torch.compiler.config.cache_key_tag``), so an entry written without it, whose backward
+    asserts one length's strides, is never served to a compile that relies on it."""
+    config = torch.compiler.config
+    if not symbolic_output_strides_apply() or not hasattr(config, "cache_key_tag"):
+        yield
+        return
+    tag = config.cache_key_tag
+    if CACHE_TAG in tag:
+        yield
+        return
+    with config.patch(cache_key_tag=f"{tag}+{CACHE_TAG}" if tag else CACHE_TAG):
+        yield

@@ -19,7 +19,9 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.compiler.progress import compile_stage, compiling
-from dcp_compile.compiler.inductor_patches import stride_sort_with_shape_env
+from dcp_compile.compiler.inductor_patches import (
+    caches_keyed_by_the_fix, stride_sort_with_shape_env, symbolic_forward_output_strides,
+)
 from dcp_compile.compiler.record import VariantRecord
 
 log = logging.getLogger(__name__)
@@ -209,10 +211,13 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list[Any], record: Vari
             stage = "Inductor: forward"
         # A backward compiled at the first backward call, after the variant's compile, beats alone.
         with compiling(f"variant {record.variant}", stage), stride_sort_with_shape_env():  # pytorch#172204
-            return compile_fx_inner(graph, inputs, **kwargs)
+            compiled = compile_fx_inner(graph, inputs, **kwargs)
+        if not kwargs.get("is_backward"):  # the backward, compiled once for every length, reads them
+            symbolic_forward_output_strides(compiled, inputs)
+        return compiled
 
     try:
-        with compile_stage("AOTAutograd trace and partition"), autograd_cache_off_if_tagged(gm):
+        with compile_stage("AOTAutograd trace and partition"), autograd_cache_off_if_tagged(gm), caches_keyed_by_the_fix():
             return compile_fx(gm, example_inputs, inner_compile=recording_inner)
     except Exception as error:
         if not _is_inductor_stride_sort_bug(error):
