@@ -345,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     versions = software_versions(device)
     lines = [f"# Plans replayed on measured compute: {device_name(device)}", "",
              "**Replayed: measured compute, modelled communication.** Each micro-batch of each rank was run on this "
-             "device at its per-rank shapes (fake process group: no data moved); the all-to-alls and the gradient "
+             f"device at its per-rank shapes (fake process group: no data moved), timed by "
+             f"{cost_model.measured.clock.value}; the all-to-alls and the gradient "
              f"all-reduce are modelled: {link_text}. Band: links 1.5x faster / slower.", "",
              f"Model: TinyGPT width {setup.hidden} x {setup.layers} layers, {setup.heads} heads, {setup.dtype}; "
              f"samples: Zipf text lengths {setup.shortest}..{setup.longest}, {setup.tokens_per_step:,} tokens per "
