@@ -86,9 +86,12 @@ def test_document_block_bitmaps_cover_exactly_the_document_mask():
     from torch.nn.attention.flex_attention import create_block_mask
 
     rng = random.Random(0)
+    cases = [([17], 4, True), ([16], 8, False), ([16], 16, True)]  # one sequence
     for _ in range(30):
         lengths = [rng.choice([0, 1, 2, 3, 5, 8, 13, 16, 17, 31]) for _ in range(rng.randint(1, 6))] + [3]
-        total, block, causal = sum(lengths), rng.choice([1, 2, 4, 8, 16]), rng.random() < 0.5
+        cases.append((lengths, rng.choice([1, 2, 4, 8, 16]), rng.random() < 0.5))
+    for lengths, block, causal in cases:
+        total = sum(lengths)
         documents = document_ids(_lengths_cu(lengths), total)
         partial, full = document_block_bitmaps(documents, total, causal, block)
         index = torch.arange(partial.shape[0] * block)
@@ -118,7 +121,7 @@ def test_traced_flex_attention_matches_the_reference_forward_and_backward(causal
 
     traced = aot_function(lambda q, k, v, cu: flex_document_attention_traceable(q, k, v, cu, causal, 0.3),
                           fw_compiler=nop, bw_compiler=nop, dynamic=True)
-    for lengths in ([5, 1, 0, 9, 3], [7, 7, 2]):
+    for lengths in ([5, 1, 0, 9, 3], [7, 7, 2], [12]):
         cu = _lengths_cu(lengths)
         generator = torch.Generator().manual_seed(len(lengths))
         q = torch.randn(sum(lengths), 4, 8, dtype=torch.float64, generator=generator).requires_grad_()

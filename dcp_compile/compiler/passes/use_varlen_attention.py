@@ -156,7 +156,8 @@ def add_sequence_boundaries_input(gm: fx.GraphModule, ctx: PassContext) -> fx.No
     with gm.graph.inserting_after(placeholders[-1]):
         boundaries = gm.graph.placeholder("dcp_cu_seqlens")
     # A backed symbol (hint 3, so that 0/1 specialization stays out of the way): nothing in the
-    # graph reads the count but the varlen kernel, so no guard is ever put on it.
+    # graph reads the count but the varlen kernel or FlexAttention's document ids (an arange of
+    # it, repeated by the lengths), so no guard is ever put on it; one sequence is tested.
     boundaries.meta["val"] = ctx.fake_mode.from_tensor(
         torch.zeros(3, dtype=torch.int32), source=ConstantSource("dcp_cu_seqlens"),
         symbolic_context=StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC]),
