@@ -64,6 +64,12 @@ def test_a_split_of_other_dimensions_keeps_each_piece_indexed_by_the_sequence():
     assert role.role is Role.TOKEN_LOCAL and role.element_dims == ((SequenceDim(0),), (SequenceDim(0),))
 
 
+def test_broadcast_tensors_is_elementwise():
+    gm = trace(lambda x, y: torch.broadcast_tensors(x, y)[1], torch.randn(7, 1, 5), torch.randn(3, 1))
+    role = analysed(gm, size(gm, 0, 0)).roles[node(gm, aten.broadcast_tensors.default)]
+    assert role.role is Role.TOKEN_LOCAL and role.element_dims == ((SequenceDim(0),), (SequenceDim(0),))
+
+
 def test_a_reduction_reads_dim_and_keepdim_off_its_schema():
     # var.dim(self, dim, unbiased, keepdim): ``unbiased`` once passed for ``keepdim`` kept the
     # reduced dimension, so the sequence dimension after it was not moved.

@@ -23,6 +23,8 @@ CASES = {  # function, input shape, sequence dimension, role
     "upsampling per sample": (lambda x: F.interpolate(x, scale_factor=2.0, mode="bilinear"), (7, 3, 4, 4), 0,
                               Role.TOKEN_LOCAL),
     "upsampling the positions": (lambda x: F.interpolate(x, scale_factor=2.0), (2, 3, 7), 2, Role.MIXING),
+    "group norm per sample": (lambda x: F.group_norm(x, 2), (7, 4, 5), 0, Role.TOKEN_LOCAL),
+    "group norm over positions": (lambda x: F.group_norm(x, 2), (2, 4, 7), 2, Role.MIXING),
 }
 
 
@@ -33,7 +35,7 @@ def test_spatial_ops_keep_batch_and_channel_positions_apart(name):
     gm = trace(function, torch.randn(*shape), *weight)
     analysis = analysed(gm, size(gm, 0, dim))
     ops = [n for n in gm.graph.nodes if n.op == "call_function"
-           and any(kind in str(n.target) for kind in ("conv", "pool", "upsample"))]
+           and any(kind in str(n.target) for kind in ("conv", "pool", "upsample", "group_norm"))]
     assert ops, gm.graph
     for op in ops:
         role = analysis.roles[op]

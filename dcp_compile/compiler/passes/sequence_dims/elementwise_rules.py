@@ -23,6 +23,12 @@ def type_as_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     return NodeRole(Role.TOKEN_LOCAL if dims else Role.NONE, dims, aligned if dims else ())
 
 
+@rule(aten.broadcast_tensors.default)
+def broadcast_tensors_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+    """Each output is its input broadcast to the common shape: elementwise, as ``a + b`` pairs them."""
+    return pointwise(node, analysis)
+
+
 @rule(aten.one_hot.default)
 def one_hot_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     source = node.args[0]

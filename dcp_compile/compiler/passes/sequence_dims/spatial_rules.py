@@ -1,9 +1,10 @@
-"""Convolutions, pooling and resampling: ops over the last 1, 2 or 3 (spatial) dimensions of a
-value laid out ``[N, C, *spatial]`` (or ``[C, *spatial]``).
+"""Convolutions, pooling, resampling and group normalisation: ops over the last 1, 2 or 3
+(spatial) dimensions of a value laid out ``[N, C, *spatial]`` (or ``[C, *spatial]``).
 
 Pooling and resampling treat each ``(n, c)`` plane on its own, so a sequence carried by the batch
-or the channel dimension keeps its positions apart; a convolution mixes the channels, so only the
-batch dimension of a batched input does. Over a spatial dimension (a conv over time, a pooling
+or the channel dimension keeps its positions apart; a convolution mixes the channels and a group
+normalisation normalises each sample over its channels and positions, so only the batch dimension
+of a batched input does. Over a spatial dimension (a conv over time, a pooling
 of positions) the op reads neighbouring positions: sequence-mixing, gathered (an audio encoder's
 strided convolution over its frames is exactly that).
 """
@@ -54,13 +55,17 @@ def per_plane_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     return NodeRole(Role.TOKEN_LOCAL, dims, (source,), element_dims=elements)
 
 
-@rule(aten.convolution.default)
-def convolution_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
-    """A convolution is token-local along the batch dimension of a batched input only."""
-    source, weight = node.args[:2]
+@rule(aten.convolution.default, aten.group_norm.default)
+def per_sample_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+    """Token-local along the batch dimension of a batched input only: a convolution (batched when
+    its input has the weight's rank) and a group normalisation (always batched, ``[N, C, *]``)."""
+    source = node.args[0]
     if any(n is not source for n in sequence_inputs(node, analysis)):
         return mixing(f"{op_name(node)} with a sequence-indexed weight or bias")
-    batched = value_of(source).dim() == value_of(weight).dim()
+    if node.target is aten.group_norm.default:
+        batched = value_of(source).dim() >= 2
+    else:
+        batched = value_of(source).dim() == value_of(node.args[1]).dim()
     dims = analysis.dims_of(source)
     if not batched or any(seq.dim != 0 for seq in dims):
         return mixing(f"{op_name(node)} over the sequence dimension (its channels or a spatial dimension)")
