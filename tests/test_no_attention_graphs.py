@@ -74,3 +74,22 @@ def test_a_token_local_piece_is_not_a_suspect():
     finding = explain_no_attention(gm)
     assert finding.suspect is None and finding.piece is None and "none was missed" in finding.reason
     assert finding.should_warn(whole_model_with_sequence=True)  # a whole model without attention still warns
+
+
+def test_a_submodule_frame_called_from_resumed_code_is_a_piece():
+    """A submodule whose forward dynamo compiles as a frame of its own (HunyuanVideo 1.5's adaLN
+    norm, called eagerly from its parent's code after a graph break) holds no attention either:
+    the parent's resumed code is among the callers of the compile."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dcp_compile.compiler.passes.no_attention import graph_piece
+
+    gm = make_fx(lambda x, w: F.layer_norm(x @ w, (4,)), tracing_mode="symbolic")(torch.randn(2, 9, 4), torch.randn(4, 4))
+    assert graph_piece(gm) is None
+
+    def torch_dynamo_resume_in_forward_at_7():  # the name dynamo gives the code after a break
+        return graph_piece(gm), explain_no_attention(gm)
+
+    piece, finding = torch_dynamo_resume_in_forward_at_7()
+    assert piece is not None and "resumed forward_at_7" in piece
+    assert not finding.should_warn(whole_model_with_sequence=True) and piece in finding.reason

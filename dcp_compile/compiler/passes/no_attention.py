@@ -6,14 +6,16 @@ loss after them. Those pieces hold no attention by construction and run replicat
 rank, which costs nothing: their record says so, with what they hold, and they stay quiet.
 Two cases do warn (issue 24): a graph with an op that could be an attention the finder did not
 recognise (a softmax over a dimension of dynamic size, or a product that pairs positions with
-positions), and a whole model (one graph not cut by a graph break) with parameters and a
-dynamic-length input but no attention: it runs replicated, with no sequence parallelism.
+positions), and a whole model (one graph not cut by a graph break, not resuming after one, not
+called from code that does) with parameters and a dynamic-length input but no attention: it runs
+replicated, with no sequence parallelism.
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +92,22 @@ def graph_piece(gm: fx.GraphModule) -> str | None:
     for node in gm.graph.nodes:
         if RESUMED in (node.meta.get("stack_trace") or ""):
             return "it resumes the model's forward after a graph break"
+    caller = _resumed_caller()
+    if caller is not None:
+        return f"a submodule's frame, called from the code after a graph break ({caller})"
+    return None
+
+
+def _resumed_caller() -> str | None:
+    """A frame on the Python stack that runs a model's code after a graph break. The backend is
+    called while dynamo compiles a frame, before it runs, so the frames above are its callers: a
+    submodule whose forward dynamo compiles on its own (an adaLN called eagerly between two pieces
+    of its parent) has its parent's resumed code among them."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name.startswith(RESUMED):
+            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name.replace(RESUMED, 'resumed ')}"
+        frame = frame.f_back
     return None
 
 
