@@ -18,8 +18,8 @@ on int16/complex outputs, likely gloo's collectives); one silently wrong (``mask
 raising (``view_as``/``reshape_as``, fixed) are quick-tier regressions now. One process crashed once
 with glibc's "corrupted double-linked list" while probing shard 3's ops (not reproduced alone).
 Rerun of every op not skipped (2026-12-05, ``DCP_OPINFO_OPS``) after the decomposition and spatial
-rules: 324 sharded, 215 gathered (each with its reason), 38 replicated, 4 raising, 0 silently wrong;
-93 ops moved from gathered to sharded, none the other way.
+rules: 326 sharded, 213 gathered (each with its reason), 38 replicated, 4 raising, 0 silently wrong;
+95 ops moved from gathered to sharded, none the other way.
 """
 
 from __future__ import annotations
