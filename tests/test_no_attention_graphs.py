@@ -93,3 +93,28 @@ def test_a_submodule_frame_called_from_resumed_code_is_a_piece():
     piece, finding = torch_dynamo_resume_in_forward_at_7()
     assert piece is not None and "resumed forward_at_7" in piece
     assert not finding.should_warn(whole_model_with_sequence=True) and piece in finding.reason
+
+
+def test_a_submodule_frame_run_from_an_eager_parent_forward_is_a_piece():
+    """Z-Image's and HiDream's blocks: dynamo runs the parent's forward eagerly inside the compiled
+    call (after a break it could not resume from) and compiles each submodule's frame alone. A
+    model's ``forward`` between the graph's compile and the compiled call's entry says so."""
+    import os
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dcp_compile.compiler.passes.no_attention import graph_piece
+
+    gm = make_fx(lambda x, w: F.layer_norm(x @ w, (4,)), tracing_mode="symbolic")(torch.randn(2, 9, 4), torch.randn(4, 4))
+
+    class Parent(nn.Module):
+        def forward(self) -> tuple:
+            return graph_piece(gm), explain_no_attention(gm)
+
+    assert Parent()()[0] is None  # a module called outside any compiled call: a whole frame
+    namespace = {"parent": Parent()}
+    # the compiled call's entry, as dynamo's eval_frame.py wraps the model's __call__
+    exec(compile("def _fn():\n    return parent()\n", os.path.join("torch", "_dynamo", "eval_frame.py"), "exec"), namespace)
+    piece, finding = namespace["_fn"]()
+    assert piece is not None and "Parent.forward, run eagerly inside the compiled call" in piece
+    assert not finding.should_warn(whole_model_with_sequence=True)

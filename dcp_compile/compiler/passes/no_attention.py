@@ -28,6 +28,9 @@ SOFTMAX_LIKE = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.defa
 PRODUCTS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default, aten.mm.default}
 RESUMED = "torch_dynamo_resume_in_"  # dynamo's name for the code after a graph break
 GRAPH_BREAK_META = "dcp_graph_break"  # the reason dynamo cut this graph, set where the graph is captured
+EVAL_FRAME = os.path.join("_dynamo", "eval_frame.py")  # the entry of a torch.compile'd call
+TORCH_DIR = os.path.dirname(torch.__file__)
+DCP_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclass
@@ -94,21 +97,34 @@ def graph_piece(gm: fx.GraphModule) -> str | None:
             return "it resumes the model's forward after a graph break"
     caller = _resumed_caller()
     if caller is not None:
-        return f"a submodule's frame, called from the code after a graph break ({caller})"
+        return f"a submodule's frame, called from model code dynamo did not capture ({caller})"
     return None
 
 
 def _resumed_caller() -> str | None:
-    """A frame on the Python stack that runs a model's code after a graph break. The backend is
+    """A frame on the Python stack that runs a model's code dynamo did not capture. The backend is
     called while dynamo compiles a frame, before it runs, so the frames above are its callers: a
-    submodule whose forward dynamo compiles on its own (an adaLN called eagerly between two pieces
-    of its parent) has its parent's resumed code among them."""
+    submodule whose forward dynamo compiles on its own was called from its parent's resumed code
+    after a graph break (HunyuanVideo 1.5's adaLN norm), or from a parent forward dynamo runs
+    eagerly inside the compiled call (Z-Image's blocks, after a break in a loop): a model's
+    ``forward`` below the compiled call's entry (dynamo's ``eval_frame``)."""
     frame = sys._getframe(1)
+    forward = None
     while frame is not None:
-        if frame.f_code.co_name.startswith(RESUMED):
-            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name.replace(RESUMED, 'resumed ')}"
+        code = frame.f_code
+        if code.co_name.startswith(RESUMED):
+            return f"{os.path.basename(code.co_filename)}:{code.co_name.replace(RESUMED, 'resumed ')}"
+        if forward is None and code.co_name == "forward" and _model_code(code.co_filename) and isinstance(
+                frame.f_locals.get("self"), torch.nn.Module):
+            forward = f"{os.path.basename(code.co_filename)}:{type(frame.f_locals['self']).__name__}.forward"
+        elif forward is not None and code.co_filename.endswith(EVAL_FRAME):
+            return f"{forward}, run eagerly inside the compiled call"
         frame = frame.f_back
     return None
+
+
+def _model_code(path: str) -> bool:
+    return not (path.startswith(TORCH_DIR) or path.startswith(DCP_DIR))
 
 
 def explain_no_attention(gm: fx.GraphModule) -> NoAttention:
