@@ -21,6 +21,10 @@
 #   GPU_CHECK_PACKED  no (default) | yes (benchmarks/packed_vs_padded.py on CUDA, packed_vs_padded_cuda.md/.csv)
 #   GPU_CHECK_PROFILE yes (default: profile_blocks.py) | no;  GPU_CHECK_REPLAY yes (default: replay.py) | no
 #   GPU_CHECK_DIT     yes (default: dit_inductor_step.py, Inductor vs aot_eager on a real-width DiT) | no
+#   GPU_CHECK_SINGLE  yes (default: single_gpu.py, DCP at SP 1 vs static and bucket schedules on a Wan 2.1 1.3B-wide
+#                     DiT and a Llama-1B-wide LM, 4 layers each, bf16, aot_eager; single_gpu_<gpu>.md/.json; runs after
+#                     the profile, replay and kernel steps) | no;  GPU_CHECK_SINGLE_BUDGET its --budget-s (default 240),
+#                     GPU_CHECK_SINGLE_TIMEOUT its hard limit in seconds (default 330)
 #   GPU_CHECK_COMPILED_CHOICE no (default) | yes (a packed row through Inductor picks FlexAttention by the
 #                     kernel table and matches eager: tests/test_compiled_kernel_choice.py -k cuda,
 #                     compiled_choice_tests.log; one Inductor compile with FlexAttention's kernels, not yet timed)
@@ -92,6 +96,14 @@ fi
 # chooser's table, varlen_choice_<gpu>.json.
 if [ "$BENCH" != "none" ] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   run_step varlen_choice_tests python -m pytest tests/kernels/test_kernels_attention_choice.py -q -k cuda -p no:cacheprovider
+fi
+
+# One device, real models, the real training step: DCP at SP 1 (per-batch recompute, accumulation, packing)
+# against static and bucket schedules, tokens/s with intervals, peak memory, the loss check. It keeps to its
+# --budget-s (compiles and profiles included); the hard timeout only stops a run that does not.
+if [ "${GPU_CHECK_SINGLE:-yes}" != "no" ] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  STEP_TIMEOUT="${GPU_CHECK_SINGLE_TIMEOUT:-330}" run_step single_gpu python benchmarks/single_gpu.py \
+      --budget-s "${GPU_CHECK_SINGLE_BUDGET:-240}" --out-dir "$OUT_DIR"
 fi
 
 if [ "${GPU_CHECK_COMPILED_CHOICE:-no}" != "no" ] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
