@@ -19,9 +19,10 @@ Workloads (``--models``):
 
 * ``wan``: ``diffusers.WanTransformer3DModel`` with Wan2.1-T2V-1.3B's configuration (width 1536,
   12 heads of 128, FFN 8960, text width 4096), ``--layers`` of its 30, random weights, on a Zipf mix
-  of images and videos as 16-channel latents (256 to 32,760 tokens: 480p x 81 frames). A DiT's
+  of images and videos as 16-channel latents (240 to 32,760 tokens: 480p x 81 frames). A DiT's
   samples cannot share a packed row (cross-attention to each sample's text), so a micro-batch runs
-  one call per latent shape (samples of one shape batched), loss = MSE against a random target;
+  one call per sample, its gradients accumulated (``--dit-batch``: one call per latent shape, its
+  samples batched, which doubles the traces to compile), loss = MSE against a random target;
 * ``llama``: ``transformers.LlamaForCausalLM`` with Llama-3.2-1B's configuration (width 2048, 32
   heads, 8 KV heads, FFN 8192, vocabulary 128,256, tied embeddings), ``--layers`` of its 16, on a
   long-tailed text mix (128 to 32,768 tokens); a micro-batch is one packed row (varlen attention).
@@ -70,8 +71,10 @@ WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim
 WAN_TINY = dict(WAN_1_3B, num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=32, ffn_dim=64,
                 in_channels=4, out_channels=4)
 # (frames, height, width) of the latent, smallest first: tokens = frames * height/2 * width/2.
-WAN_BUCKETS = ((1, 32, 32), (1, 64, 64), (1, 60, 104), (5, 30, 52), (5, 60, 104), (9, 60, 104), (21, 60, 104))
-WAN_TINY_BUCKETS = ((1, 8, 8), (1, 8, 16), (2, 8, 16), (3, 8, 16), (4, 8, 16), (6, 8, 16))
+# No two sizes of a call equal (height, width, frames, channels, text): dynamo's duck sizing would
+# give them one symbol and trace again at the first shape where they differ.
+WAN_BUCKETS = ((1, 24, 40), (1, 48, 80), (1, 60, 104), (5, 30, 52), (5, 60, 104), (9, 60, 104), (21, 60, 104))
+WAN_TINY_BUCKETS = ((1, 6, 10), (1, 10, 14), (3, 10, 14), (5, 10, 14), (7, 10, 14), (9, 10, 14))
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                 vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072,
                 rms_norm_eps=1e-5)
@@ -124,7 +127,7 @@ def wan_workload(args: argparse.Namespace, device: torch.device, dtype: torch.dt
 
     config = WAN_TINY if args.tiny else WAN_1_3B
     buckets = WAN_TINY_BUCKETS if args.tiny else WAN_BUCKETS
-    text_len = 8 if args.tiny else 512
+    text_len = 12 if args.tiny else 512
     torch.manual_seed(0)
     model = diffusers.WanTransformer3DModel(**config, num_layers=args.layers).to(device=device, dtype=dtype).train()
     tokens_of = [f * (h // 2) * (w // 2) for f, h, w in buckets]
@@ -146,8 +149,11 @@ def wan_workload(args: argparse.Namespace, device: torch.device, dtype: torch.dt
                  "encoder_hidden_states": text.to(device, dtype), "return_dict": False}, target.to(device, dtype))
 
     def groups(indices: Sequence[int]) -> list[tuple[Any, tuple[int, ...]]]:
-        """One call per latent shape (samples of one shape batched); dynamo traces batch 1 and
-        more, one frame and more, apart."""
+        """One call per sample (``--dit-batch``: per latent shape, its samples batched). Dynamo
+        traces one frame and more apart (and batch 1 and more): each trace is compiled for
+        every recompute policy the plans use, which is what bounds the compile time."""
+        if not args.dit_batch:
+            return [((False, shapes[i][0] > 1), (i,)) for i in indices]
         by_shape: dict[tuple, list[int]] = {}
         for index in indices:
             by_shape.setdefault(shapes[index], []).append(index)
@@ -382,6 +388,51 @@ def paired_ratio(ratios: Sequence[float]) -> tuple[float, float, float]:
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
+RANK_CHECK_CALLS = 50
+
+
+def rank_check_host_time(call: Call, length: int, device: torch.device) -> dict:
+    """Host time of the SP-group rank check (issue 22 item 4) for one of this model's calls, on a
+    real world of one process (NCCL on a GPU, gloo on a CPU): ``sync`` (waited before the call) and
+    ``async`` (issued before, settled after; the wait between is not counted), median of
+    ``RANK_CHECK_CALLS`` calls. At SP 1 the dispatcher runs no check; this is what one would
+    cost per call here."""
+    import torch.distributed as dist
+
+    import dcp_compile as dcp
+    from dcp_compile.runtime.consistency import SettledAfterCall, check_sp_group_agrees, settle_pending_checks
+
+    if dist.is_initialized():
+        return {}
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        tensors = [v for v in call.inputs.values() if isinstance(v, torch.Tensor)]
+        variant = dcp.Variant(1)
+        sync, issue, settle = [], [], []
+        for _ in range(RANK_CHECK_CALLS):
+            start = time.perf_counter()
+            check_sp_group_agrees(variant, tensors, dist.group.WORLD, (0,), graph_id=0, length=length, mode="sync")
+            sync.append(time.perf_counter() - start)
+        for _ in range(RANK_CHECK_CALLS):
+            start = time.perf_counter()
+            pending = check_sp_group_agrees(variant, tensors, dist.group.WORLD, (0,), graph_id=0, length=length,
+                                            mode="async")
+            issue.append(time.perf_counter() - start)
+            synchronize(device)
+            while pending is not None and not pending.completed():
+                time.sleep(1e-5)
+            start = time.perf_counter()
+            with SettledAfterCall(pending):
+                pass
+            settle.append(time.perf_counter() - start)
+        settle_pending_checks()
+    finally:
+        dist.destroy_process_group()
+    return {"backend": backend, "sync_s": statistics.median(sync), "async_issue_s": statistics.median(issue),
+            "async_settle_s": statistics.median(settle)}
+
+
 # ---------------------------------------------------------------------------------------------
 # One model
 # ---------------------------------------------------------------------------------------------
@@ -403,6 +454,7 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, dtype: 
     cost_model = dcp.profile(model, workload.make_profile_inputs, lengths=workload.profile_lengths,
                              held_out=workload.held_out, sp_sizes=(1,), prior=workload.prior, recompute=PROFILED, causal=name == "llama",
                              inner=args.inner, packed=workload.packed, repeats=args.profile_repeats, progress=False)
+    torch._dynamo.reset()  # the profile's traces count toward the model's recompile limit: drop them
     held = cost_model.measured.held_out_summary()
     say(started, f"{name}: profiled; held-out error median {100 * held[0]:.0f}%, worst {100 * held[1]:.0f}%"
         if held else f"{name}: profiled")
@@ -480,15 +532,23 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, dtype: 
         say(started, f"{name}: step {step_index} ({results['dcp'][-1].tokens} tokens): " + ", ".join(
             f"{s} {results[s][-1].seconds:.3f} s loss {results[s][-1].loss:.5f}" for s in SCHEDULES))
     del weights, optimizers
+    rank_check = {}
+    if args.rank_check and planned:
+        first = planned[0][1]["dcp"][0]
+        members = workload.groups(first.indices)[0][1]
+        rank_check = rank_check_host_time(workload.call(members, 1.0), sum(lengths[i] for i in members), device)
+        if rank_check:
+            say(started, f"{name}: rank check per call on a {rank_check['backend']} world of 1: sync "
+                         f"{1e6 * rank_check['sync_s']:.0f} us, async {1e6 * (rank_check['async_issue_s'] + rank_check['async_settle_s']):.0f} us")
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return summarize(name, workload, results, cost_model, cap_text, static_policy, static_budget, table, parameters,
-                     compile_seconds, held, plans, dtype)
+                     compile_seconds, held, plans, dtype, rank_check)
 
 
 def summarize(name, workload, results, cost_model, cap_text, static_policy, static_budget, table, parameters,
-              compile_seconds, held, plans, dtype) -> dict:
+              compile_seconds, held, plans, dtype, rank_check) -> dict:
     rates = {s: sum(r.tokens for r in rs) / sum(r.seconds for r in rs) for s, rs in results.items() if rs}
     ratios = {s: paired_ratio([b.seconds / a.seconds for a, b in zip(results["dcp"], results[s])])
               for s in ("static", "bucket")}
@@ -519,6 +579,7 @@ def summarize(name, workload, results, cost_model, cap_text, static_policy, stat
         "forced_recompute_share": forced / max(step_tokens, 1),
         "predicted_seconds": predicted,
         "per_step": {s: [r.__dict__ for r in rs] for s, rs in results.items()},
+        "rank_check": rank_check,
         "plans": plans,
     }
 
@@ -577,8 +638,25 @@ def write_report(models: list[dict], args: argparse.Namespace, device: torch.dev
                   f"goal >= {GOAL}x: {'met' if met else 'not met'}.{reason}", ""]
     for name in skipped:
         lines += [f"## {name}: not run (the time budget was spent)", ""]
-    lines += ["The rank check (issue 22 item 4) is not exercised here: at SP 1 the dispatcher checks no group "
-              "(`dcp_compile/compiler/dispatcher.py`: only SP > 1 calls), and no process group is created.", ""]
+    checked = [m for m in models if m.get("rank_check")]
+    if checked:
+        lines += ["## The rank check's host time (issue 22 item 4)", "",
+                  "At SP 1 the dispatcher checks no group (only SP > 1 calls are checked), so the steps above paid "
+                  "none. Timed apart: `check_sp_group_agrees` on one of the model's calls, on a real world of one "
+                  f"process, median of {RANK_CHECK_CALLS} calls; the share is what one check per call of DCP's "
+                  "steps would add to them (calls per step x host time / step time).", "",
+                  "| model | backend | sync per call (us) | async per call (us) | DCP calls per step | "
+                  "sync share of a step | async share |", "|---|---|---:|---:|---:|---:|---:|"]
+        for m in checked:
+            check = m["rank_check"]
+            steps = m["per_step"]["dcp"]
+            calls = statistics.mean(r["calls"] for r in steps)
+            seconds = statistics.mean(r["seconds"] for r in steps)
+            asynchronous = check["async_issue_s"] + check["async_settle_s"]
+            lines.append(f"| {m['model']} | {check['backend']} | {1e6 * check['sync_s']:.0f} | {1e6 * asynchronous:.0f} | "
+                         f"{calls:.1f} | {100 * calls * check['sync_s'] / seconds:.2f}% | "
+                         f"{100 * calls * asynchronous / seconds:.2f}% |")
+        lines.append("")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     slug = device_slug(device)
     path = args.out_dir / f"single_gpu_{slug}.md"
@@ -600,6 +678,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile-repeats", type=int, default=2)
     parser.add_argument("--memory-cap-gb", type=float, default=None)
     parser.add_argument("--budget-s", type=float, default=240.0, help="the whole run's wall-time budget")
+    parser.add_argument("--dit-batch", action="store_true",
+                        help="batch a DiT micro-batch's samples of one latent shape into one call (more traces to compile)")
+    parser.add_argument("--no-rank-check", dest="rank_check", action="store_false",
+                        help="skip the rank check's host-time measurement on a world of one process")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="tiny widths and lengths (CPU smoke run)")
