@@ -116,6 +116,7 @@ class Workload:
     call: Callable[[Sequence[int], float], Call]  # (one call's indices, step's loss denominator) -> its inputs
     supervised: list[int]  # what each sample counts in the step's loss
     prior: Any = None  # the cost model's analytic prior (None: dcp.profile counts it on the model)
+    mix: str = ""  # how the lengths were drawn, for the page
 
 
 def zipf_choice(rng: random.Random, count: int, exponent: float = ZIPF_EXPONENT) -> int:
@@ -182,7 +183,8 @@ def wan_workload(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     return Workload(
         "wan", f"Wan 2.1 1.3B configuration ({args.layers} of {FULL_LAYERS['wan']} layers{', tiny width' if args.tiny else ''})",
         model, lengths, fit, held, False, lambda n: inputs_of([sample(n, by_tokens[n])])[0], groups, call,
-        list(lengths), prior)
+        list(lengths), prior, f"Zipf (exponent {ZIPF_EXPONENT}) over latent shapes frames x height x width "
+        + ", ".join(f"{f}x{h}x{w} ({t:,})" for (f, h, w), t in zip(buckets, tokens_of)) + ", smallest most common")
 
 
 def llama_workload(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Workload:
@@ -231,7 +233,9 @@ def llama_workload(args: argparse.Namespace, device: torch.device, dtype: torch.
     return Workload(
         "llama", f"Llama 3.2 1B configuration ({args.layers} of {FULL_LAYERS['llama']} layers{', tiny width' if args.tiny else ''})",
         model, lengths, tuple(max(2, n) for n in fit), tuple(max(3, n) for n in held), True, profile_inputs, groups,
-        call, [n - 1 for n in lengths])
+        call, [n - 1 for n in lengths], None,
+        f"Zipf (exponent {ZIPF_EXPONENT}) over {shortest:,}..{longest:,} in powers of two, shortest most common, "
+        "each +-20%")
 
 
 WORKLOADS = {"wan": wan_workload, "llama": llama_workload}
@@ -565,7 +569,9 @@ def summarize(name, workload, results, cost_model, cap_text, static_policy, stat
     for s in SCHEDULES:
         predicted[s] = sum(cost_model.time([lengths[i] for i in b[0]], 1, b[1]) for plan in plans for b in plan[s])
     return {
-        "model": name, "label": workload.label, "parameters": parameters, "steps": len(results["dcp"]),
+        "model": name, "label": workload.label,
+        "data": f"{len(lengths)} samples of {min(lengths):,}..{max(lengths):,} tokens (median "
+                f"{sorted(lengths)[len(lengths) // 2]:,}; {workload.mix})", "parameters": parameters, "steps": len(results["dcp"]),
         "compile_seconds": compile_seconds, "memory_cap": cap_text, "held_out_error": held,
         "static": {"recompute": static_policy, "token_budget": static_budget},
         "bucket_table": [row.__dict__ for row in table.values()],
@@ -604,11 +610,14 @@ def write_report(models: list[dict], args: argparse.Namespace, device: torch.dev
              f"Run: `python benchmarks/single_gpu.py{' --tiny' if args.tiny else ''} --layers {args.layers} --steps "
              f"{args.steps} --budget-s {args.budget_s:g}` ({total_seconds:.0f} s in all, compiles and profiles "
              "included). Tokens/s: the timed steps' tokens over their seconds (forward, backward, optimizer). "
-             "Ratios: per step, geometric mean with its 95% t-interval.", ""]
+             "Ratios: per step, geometric mean with its 95% t-interval. "
+             + ("Inner compiler aot_eager: Inductor's compile of every (trace, recompute) kind the plans use would not "
+                "fit the budget (`--inner inductor` runs it). " if args.inner == "aot_eager" else "")
+             + f"{args.layers} layers of each model, so the memory cap is a stand-in (below).", ""]
     for m in models:
         rates = m["tokens_per_s"]
         lines += [f"## {m['label']}", "",
-                  f"{m['parameters'] / 1e6:.0f} M parameters, {m['steps']} timed steps, compiled in "
+                  f"{m['parameters'] / 1e6:.0f} M parameters; data: {m['data']}; {m['steps']} timed steps, compiled in "
                   f"{m['compile_seconds']:.0f} s. Memory cap: {m['memory_cap']}. Static: recompute "
                   f"{m['static']['recompute']}, {m['static']['token_budget']:,} tokens per micro-batch. Bucket table: "
                   + "; ".join(f"{r['key']}: batch {r['batch_size']}, {r['recompute']}" for r in m["bucket_table"])
