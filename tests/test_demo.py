@@ -94,3 +94,18 @@ def test_a_single_threaded_cpu_is_timed_by_its_process_cpu_clock_and_the_profile
     assert costs.clock is Clock.DEVICE_WALL  # written before the field existed: wall time
     again = MeasuredCosts.from_dict({**costs.to_dict(), "clock": Clock.PROCESS_CPU.value})
     assert again.clock is Clock.PROCESS_CPU and again.to_dict()["clock"] == Clock.PROCESS_CPU.value
+
+
+def test_model_profile_counts_attention_called_with_keyword_arguments() -> None:
+    """diffusers' attention processors call SDPA with ``query=``/``key=``/``value=``."""
+    class KeywordAttention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.project = torch.nn.Linear(8, 24)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.project(x).view(1, x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+            return torch.nn.functional.scaled_dot_product_attention(query=q, key=k, value=v).sum()
+
+    profile = dcp.ModelProfile.measure(KeywordAttention(), lambda n: (torch.randn(1, n, 8),), lengths=(8, 16, 32))
+    assert profile.num_attention_layers == 1

@@ -46,7 +46,10 @@ def measure_fields(
     class _CountAttention(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if func is torch.nn.functional.scaled_dot_product_attention:
-                query, key = args[0], args[1]
+                kwargs = kwargs or {}
+                # diffusers' attention processors pass query and key by keyword.
+                query = args[0] if len(args) > 0 else kwargs["query"]
+                key = args[1] if len(args) > 1 else kwargs["key"]
                 attention_calls.append((query.shape[-3], key.shape[-3], query.shape[-1], query.shape[-2]))
             return func(*args, **(kwargs or {}))
 
