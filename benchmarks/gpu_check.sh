@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# GPU check: the profiled cost model held out (benchmarks/profile_blocks.py: a DiT and a GPT block stack at
-# real width), plans replayed on measured compute (benchmarks/replay.py, 8 and 32 ranks), then the kernel
-# benchmark, the packed-rows benchmark and the kernel tests on CUDA (figures first, most wanted first: they
-# are what a short device lease is for; about 10 minutes with the defaults).
+# GPU check, in priority order (figures first, most wanted first: they are what a short device lease is
+# for): the profiled cost model held out (benchmarks/profile_blocks.py: a DiT and a GPT block stack at real
+# width), plans replayed on measured compute (benchmarks/replay.py, 8 and 32 ranks), the kernel benchmark
+# and the varlen choice tests, the single-GPU training benchmark (benchmarks/single_gpu.py), Inductor vs
+# aot_eager on a real-width DiT, then the optional steps. The whole run keeps to GPU_CHECK_TOTAL (below):
+# none of these steps has been timed on a GPU yet, so what does not fit is skipped and listed.
 #
 # Usage (from anywhere):  bash benchmarks/gpu_check.sh
 # On an offline machine where `pip install -e .` cannot run, bring this checkout's
@@ -17,7 +19,8 @@
 #   GPU_CHECK_TESTS   cuda (default: only the CUDA-parametrized tests, a few minutes of device time)
 #                     | all (also the CPU/interpreter cases) | none
 #   GPU_CHECK_BENCH   quick (default) | full | none
-#   GPU_CHECK_TIMEOUT seconds per step (default 420); GPU_CHECK_TEST_TIMEOUT for the tests alone
+#   GPU_CHECK_TIMEOUT seconds per step (default 270); GPU_CHECK_TEST_TIMEOUT for the tests alone
+#   GPU_CHECK_TOTAL   seconds for the whole script (default 480); GPU_CHECK_MIN_STEP (default 45)
 #   GPU_CHECK_PACKED  no (default) | yes (benchmarks/packed_vs_padded.py on CUDA, packed_vs_padded_cuda.md/.csv)
 #   GPU_CHECK_PROFILE yes (default: profile_blocks.py) | no;  GPU_CHECK_REPLAY yes (default: replay.py) | no
 #   GPU_CHECK_DIT     yes (default: dit_inductor_step.py, Inductor vs aot_eager on a real-width DiT) | no
@@ -57,10 +60,25 @@ status=0
 # The tests must compile real kernels for CUDA tensors: never interpret here.
 unset TRITON_INTERPRET DCP_KERNELS
 
+# The whole script keeps to GPU_CHECK_TOTAL seconds (default 480: a 15-minute lease less the machine's
+# start and room for a rerun): each step's timeout is cut to what is left, and a step that would get
+# less than GPU_CHECK_MIN_STEP seconds (default 45) is skipped and listed in $OUT_DIR/skipped_steps.txt,
+# so the steps run in priority order and the rest wait for the next lease (turn the done ones off).
+TOTAL="${GPU_CHECK_TOTAL:-480}"
+MIN_STEP="${GPU_CHECK_MIN_STEP:-45}"
+STARTED=$(date +%s)
+: > "$OUT_DIR/skipped_steps.txt"
+
 run_step() {  # name, then the command: logged to $OUT_DIR/<name>.log, its exit code counted
   local name=$1; shift
-  echo "== $name"
-  timeout "$STEP_TIMEOUT" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+  local left=$(( TOTAL - ($(date +%s) - STARTED) ))
+  local limit=$(( STEP_TIMEOUT < left ? STEP_TIMEOUT : left ))
+  if [ "$limit" -lt "$MIN_STEP" ]; then
+    echo "== $name skipped: ${left}s left of GPU_CHECK_TOTAL=${TOTAL}s" | tee -a "$OUT_DIR/skipped_steps.txt"
+    return
+  fi
+  echo "== $name (up to ${limit}s; $(( $(date +%s) - STARTED ))s used of ${TOTAL}s)"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "$name exit code: $rc"
   [ "$rc" -eq 0 ] || status=1
@@ -77,17 +95,7 @@ fi
 if [ "$BENCH" != "none" ]; then
   bench_args=(--out-dir "$OUT_DIR")
   [ "$BENCH" = "quick" ] && bench_args+=(--quick)
-  echo "== kernel benchmark ($BENCH)"
-  timeout "$STEP_TIMEOUT" python benchmarks/kernel_benchmarks.py "${bench_args[@]}" 2>&1 | tee "$OUT_DIR/kernels_bench.log"
-  bench_rc=${PIPESTATUS[0]}
-  echo "kernel benchmark exit code: $bench_rc"
-  [ "$bench_rc" -eq 0 ] || status=1
-fi
-
-# A diffusers DiT at real width (Wan 2.1 1.3B, 4 layers) under dcp: step time with Inductor against
-# aot_eager, and no Inductor fallback (dit_inductor_step_<gpu>.md); about 3 minutes, mostly compiles.
-if [ "${GPU_CHECK_DIT:-yes}" != "no" ] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-  run_step dit_inductor_step python benchmarks/dit_inductor_step.py --out-dir "$OUT_DIR"
+  run_step kernels_bench python benchmarks/kernel_benchmarks.py "${bench_args[@]}"
 fi
 
 # The varlen path's implementations (Triton, FlexAttention document mask, equal-length SDPA, and the
@@ -106,19 +114,20 @@ if [ "${GPU_CHECK_SINGLE:-yes}" != "no" ] && python -c "import torch, sys; sys.e
       --budget-s "${GPU_CHECK_SINGLE_BUDGET:-240}" --out-dir "$OUT_DIR"
 fi
 
+# A diffusers DiT at real width (Wan 2.1 1.3B, 4 layers) under dcp: step time with Inductor against
+# aot_eager, and no Inductor fallback (dit_inductor_step_<gpu>.md); about 3 minutes, mostly compiles.
+if [ "${GPU_CHECK_DIT:-yes}" != "no" ] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  run_step dit_inductor_step python benchmarks/dit_inductor_step.py --out-dir "$OUT_DIR"
+fi
+
 if [ "${GPU_CHECK_COMPILED_CHOICE:-no}" != "no" ] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   run_step compiled_choice_tests python -m pytest tests/test_compiled_kernel_choice.py -q -k cuda -p no:cacheprovider
 fi
 
 # End to end on the GPU: packed rows through the compiled model (Triton varlen) against padded SDPA.
 if [ "${GPU_CHECK_PACKED:-no}" != "no" ] && python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-  echo "== packed vs padded micro-batches (CUDA)"
-  PYTHONPATH=. timeout "$STEP_TIMEOUT" python benchmarks/packed_vs_padded.py --device cuda --repeats 5 2>&1 \
-      | tee "$OUT_DIR/packed_vs_padded.log"
-  packed_rc=${PIPESTATUS[0]}
+  run_step packed_vs_padded python benchmarks/packed_vs_padded.py --device cuda --repeats 5
   cp benchmarks/results/packed_vs_padded_cuda.* "$OUT_DIR/" 2>/dev/null || true
-  echo "packed benchmark exit code: $packed_rc"
-  [ "$packed_rc" -eq 0 ] || status=1
 fi
 
 if [ "$TESTS" = "cuda" ] && ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
@@ -131,12 +140,8 @@ case "$TESTS" in
   *)    selection=(-k "cuda") ;;
 esac
 if [ "$TESTS" != "none" ]; then
-  echo "== kernel tests ($TESTS)"
-  timeout "${GPU_CHECK_TEST_TIMEOUT:-$STEP_TIMEOUT}" python -m pytest tests/kernels -q -rs -p no:cacheprovider "${selection[@]}" --durations=15 \
-      2>&1 | tee "$OUT_DIR/kernels_tests.log"
-  test_rc=${PIPESTATUS[0]}
-  echo "kernel tests exit code: $test_rc"
-  [ "$test_rc" -eq 0 ] || status=1
+  STEP_TIMEOUT="${GPU_CHECK_TEST_TIMEOUT:-$STEP_TIMEOUT}" run_step kernels_tests python -m pytest tests/kernels -q -rs \
+      -p no:cacheprovider "${selection[@]}" --durations=15
 fi
 
 
