@@ -27,12 +27,11 @@ import logging
 import operator
 from typing import Any, Callable
 
-import networkx as nx
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Role, SequenceAnalysis
+from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Role, SequenceAnalysis, fx_to_networkx
 from dcp_compile.compiler.passes.sequence_dims.registry import (
     VIEWS, Stage, classify, op_name, record_partners, sequence_inputs, stage_rule,
 )
@@ -160,7 +159,7 @@ def _classify_decomposition(node: fx.Node, analysis: SequenceAnalysis, function:
     with fake_mode:
         traced = make_fx(torch.func.functionalize(run), record_module_stack=False)(*[fakes[p] for p in positions])
     placeholders = list(traced.graph.find_nodes(op="placeholder"))
-    inner = SequenceAnalysis(length=expression(length), graph=_digraph(traced.graph))
+    inner = SequenceAnalysis(length=expression(length), graph=fx_to_networkx(traced.graph))
     for placeholder, position in zip(placeholders, positions):
         dims = analysis.dims_of(_operands(node)[0][position])
         inner.roles[placeholder] = NodeRole(Role.SOURCE, dims) if dims else NodeRole(Role.NONE)
@@ -172,15 +171,6 @@ def _classify_decomposition(node: fx.Node, analysis: SequenceAnalysis, function:
             record_partners(role, inner)
             inner.roles[current] = role
     return _result(node, traced, inner)
-
-
-def _digraph(graph: fx.Graph) -> nx.DiGraph:
-    digraph = nx.DiGraph()
-    for current in graph.nodes:
-        digraph.add_node(current)
-        for source in current.all_input_nodes:
-            digraph.add_edge(source, current)
-    return digraph
 
 
 def _reads_length(current: fx.Node, length: Any) -> bool:

@@ -229,3 +229,13 @@ class SequenceAnalysis:
                 detail += f" (no grid window: {self.refused_grids[node]})"
             rows.append((node.name, str(node.target).replace("aten.", ""), role.role.value, f"{dims} {detail}".strip()))
         return rows
+
+
+def fx_to_networkx(graph: fx.Graph) -> nx.DiGraph:
+    """The graph's data flow as a networkx DiGraph (an edge from each input node to its user)."""
+    digraph = nx.DiGraph()
+    for node in graph.nodes:
+        digraph.add_node(node)
+        for source in node.all_input_nodes:
+            digraph.add_edge(source, node)
+    return digraph

@@ -24,7 +24,7 @@ import torch.fx as fx
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import AttentionSite
 from dcp_compile.compiler.passes.sequence_dims.model import (
-    INHERIT, DispatchRefused, GridRegionRefused, NodeRole, Role, SequenceAnalysis, TokenOrder,
+    INHERIT, DispatchRefused, GridRegionRefused, NodeRole, Role, SequenceAnalysis, TokenOrder, fx_to_networkx,
 )
 from dcp_compile.compiler.passes.sequence_dims.registry import classify, mixing, record_partners
 from dcp_compile.compiler.passes.sequence_dims.symbolic import (
@@ -62,15 +62,6 @@ def sequence_length_of(sites: list[AttentionSite]) -> Any:
     # dimension splits evenly over more ranks. Two streams of one symbol each (LTX-2's video and
     # audio self-attentions) are told apart by the sizes they were traced at, not by graph order.
     return max(counts, key=lambda length: (counts[length], size_hint(length), traced[length]))
-
-
-def fx_to_networkx(graph: fx.Graph) -> nx.DiGraph:
-    digraph = nx.DiGraph()
-    for node in graph.nodes:
-        digraph.add_node(node)
-        for source in node.all_input_nodes:
-            digraph.add_edge(source, node)
-    return digraph
 
 
 def long_segment_of(graph: fx.Graph, length: Any) -> Any:
