@@ -100,6 +100,10 @@ def render(rows: list[dict[str, Any]], patched: bool) -> str:
     fallbacks = [row["model"] for row in rows if row["fallbacks"]]
     unfinished = [row["model"] for row in rows if row["error"] and row["error"].startswith("timeout")]
     errors = [row["model"] for row in rows if row["error"] and row["model"] not in unfinished]
+    from dcp_compile.testing import real_models as rm
+
+    surveyed = {row["model"] for row in rows}
+    not_run = [case.name for case in rm.CASES.values() if case.library == "diffusers" and case.name not in surveyed]
     lines = [
         "# Inductor on the zoo's diffusers DiTs under dcp (SP 2, fake world, CPU)",
         "",
@@ -114,6 +118,8 @@ def render(rows: list[dict[str, Any]], patched: bool) -> str:
         f"{len(fallbacks)} fall back to aot_eager ({', '.join(fallbacks) or 'none'}), "
         f"{len(errors)} raise ({', '.join(errors) or 'none'}), {len(unfinished)} did not finish in time "
         f"({', '.join(unfinished) or 'none'}).**",
+        "",
+        f"Not run yet: {', '.join(not_run) or 'none'}.",
         "",
         "Patched sorts: Inductor stride sorts that dcp's patch (dcp_compile/compiler/inductor_patches.py, "
         "pytorch/pytorch#172204) redid with the shape environment; more than 0 means torch's Inductor as "
