@@ -28,7 +28,7 @@ from dcp_compile.compiler.passes.context import Analysis, PassContext
 from dcp_compile.compiler.passes.pipeline import GraphInput, GraphPass, run_passes
 from dcp_compile.runtime.consistency import PendingCheck, SettledAfterCall, check_sp_group_agrees
 from dcp_compile.runtime.graph_parameters import note_graph_call, note_graph_outputs
-from dcp_compile.runtime.process_groups import sp_group
+from dcp_compile.runtime.process_groups import current_world, sp_group
 from dcp_compile.compiler.record import GraphRecord, VariantRecord
 from dcp_compile.compiler.self_check import check_first_call
 from dcp_compile.compiler.variant_selection import BucketTable, active_sequence_boundaries, active_variant
@@ -84,6 +84,7 @@ class Dispatcher:
         self.variant_passes = variant_passes
         # Keyed by the variant and the values of the graph's scalar inputs (baked per compile).
         self.compiled: dict[tuple[Variant, tuple[float, ...]], Callable] = {}
+        self.world: object | None = current_world()  # the world self.compiled's collectives belong to
         self.added_inputs: dict[Variant, tuple[GraphInput, ...]] = {}  # declared by the variant's passes
         self.checked: set[tuple[Variant, tuple[float, ...]]] = set()  # options={"check": True}: first calls done
         sequence = analysis.sequence
@@ -129,6 +130,14 @@ class Dispatcher:
             variant = self.with_packed_attention(variant, args)
         pending = self.check_ranks(variant, args) if self.options.check_ranks and variant.sp_size > 1 else None
         scalars = self.scalars_of(args) if self.analysis.scalar_inputs else ()
+        world = current_world()
+        if world is not self.world:
+            # A variant compiled in another process-group world (dcp.profile's fake one, say) names
+            # that world's groups in its collectives: compile again for this one.
+            if self.world is not None:
+                self.compiled.clear()
+                self.checked.clear()
+            self.world = world
         compiled = self.compiled.get((variant, scalars))
         if compiled is None:
             compiled = self.compile_variant(variant, scalars)

@@ -35,7 +35,14 @@ class SequenceParallelGroup:
 
 _groups: dict[int, SequenceParallelGroup] = {}
 _created_sizes: set[int] = set()
-_created_for_world: tuple[int, int] | None = None
+# The world the groups belong to, held (not its id: a destroyed world's id can come back for the
+# next one, as dcp.profile's fake world and a later one did) and compared by identity.
+_created_for_world: object | None = None
+
+
+def current_world() -> object | None:
+    """The default process group now (None without one): the world compiled collectives name groups of."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def default_sp_sizes(world_size: int) -> list[int]:
@@ -87,11 +94,10 @@ def create_sp_groups(extra_sizes: list[int] = ()) -> None:
     """
     global _created_for_world
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    world_key = (world_size, id(dist.group.WORLD))
-    if _created_for_world != world_key:
+    if _created_for_world is not current_world():
         _groups.clear()
         _created_sizes.clear()
-        _created_for_world = world_key
+        _created_for_world = current_world()
     sizes = sorted(set(default_sp_sizes(world_size)) | {s for s in extra_sizes if 1 < s <= world_size})
     for size in sizes:  # the same order on every rank
         if size in _created_sizes:
@@ -110,7 +116,7 @@ def sp_group(sp_size: int) -> SequenceParallelGroup:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         return SequenceParallelGroup(1, 0, (rank,), None)
     validate_sp_size(sp_size)
-    if sp_size not in _created_sizes or _created_for_world != (dist.get_world_size(), id(dist.group.WORLD)):
+    if sp_size not in _created_sizes or _created_for_world is not current_world():
         # Never created lazily: a forward call is no point where every rank is known to arrive
         # together. The backend creates every power-of-two size (and the buckets' sizes) up front.
         raise ValueError(
