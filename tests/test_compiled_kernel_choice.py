@@ -273,18 +273,10 @@ def test_packed_calls_run_the_kernel_the_table_chooses_at_sp2():
 def _huggingface_flex_worker(rank, world_size, table):
     """Hugging Face LlamaForCausalLM (GQA 4/2) with attn_implementation='dcp', packed rows at SP 1
     and 2 against its own sdpa attention on each sequence alone, with the fixture table."""
-    from dcp_compile.runtime.huggingface import use_packed_attention
-    from model_zoo import tiny_llama
-    from test_packed_batches import _mismatches, _reference
+    from test_packed_batches import _mismatches, packed_tiny_llama
 
     os.environ[TABLE_ENV] = table
-    torch.manual_seed(0)
-    model = tiny_llama()
-    sequences = [torch.randint(2, 100, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 1, 6)]
-    expected, expected_grads = _reference(model, sequences, lambda m, s: m(input_ids=s[None], labels=s[None]).loss)
-    use_packed_attention(model)
-    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "aot_eager"})
-    packed = dcp.pack_sequences(sequences)
+    model, compiled, packed, expected, expected_grads = packed_tiny_llama()
     inputs = dict(input_ids=packed.input_ids, labels=packed.labels, position_ids=packed.position_ids)
     problems = []
     with counting_kernels() as counts:

@@ -101,19 +101,25 @@ def test_packed_rows_through_the_triton_kernels():
     assert results[0] == ["sp=2/recompute=none/packed"]
 
 
-def _huggingface_worker(rank, world_size):
-    """LlamaForCausalLM (GQA 4/2) with attn_implementation='dcp': packed rows at SP 1 and SP 2."""
+def packed_tiny_llama():
+    """A tiny Hugging Face Llama (GQA 4/2) with attn_implementation='dcp', compiled with dcp, four
+    sequences packed in one row, and the eager reference (its own sdpa attention, one sequence at a
+    time): (model, compiled, packed, expected loss, expected gradients)."""
     from dcp_compile.runtime.huggingface import use_packed_attention
     from model_zoo import tiny_llama
 
     torch.manual_seed(0)
     model = tiny_llama()
     sequences = [torch.randint(2, 100, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 1, 6)]
-    # eager reference with Hugging Face's own sdpa attention, one sequence at a time
     expected, expected_grads = _reference(model, sequences, lambda m, s: m(input_ids=s[None], labels=s[None]).loss)
     use_packed_attention(model)
     compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "aot_eager"})
-    packed = dcp.pack_sequences(sequences)
+    return model, compiled, dcp.pack_sequences(sequences), expected, expected_grads
+
+
+def _huggingface_worker(rank, world_size):
+    """LlamaForCausalLM (GQA 4/2) with attn_implementation='dcp': packed rows at SP 1 and SP 2."""
+    model, compiled, packed, expected, expected_grads = packed_tiny_llama()
     problems = []
     for sp_size in (1, 2):
         model.zero_grad(set_to_none=True)
