@@ -163,6 +163,8 @@ def profile_compute(world_size: int, inner: str, seed: int, progress: bool = Fal
     measurements see the machine as training will: every core busy with one rank."""
     if device == "cpu":
         torch.set_num_threads(1)
+    if not progress:  # before the world exists every process is "rank 0": one prints, the others would repeat it
+        os.environ["DCP_PROGRESS"] = "0"
     torch.manual_seed(seed)
     model = TinyGPT(VOCAB, HIDDEN, LAYERS, HEADS).to(device)
     cost_model = dcp.profile(
