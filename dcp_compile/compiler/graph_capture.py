@@ -119,17 +119,25 @@ def splice_traced(gm: fx.GraphModule, node: fx.Node, function: Callable[..., Any
     cheap. The new ops carry ``node``'s stack trace and recompute tags, as a whole re-trace would.
     """
     with fx_traceback.preserve_node_meta(), fx_traceback.set_current_meta(node):
-        subgraph = retrace(function, [n.meta["val"] for n in inputs], fake_mode)
-    for constant in subgraph.graph.find_nodes(op="get_attr"):  # lifted constants move over
-        name = f"_dcp_{node.name}_{constant.target}"
-        setattr(gm, name, getattr(subgraph, constant.target))
-        constant.target = name
-    placeholders = subgraph.graph.find_nodes(op="placeholder")
-    with gm.graph.inserting_before(node):
-        result = gm.graph.graph_copy(subgraph.graph, dict(zip(placeholders, inputs)))
+        result = insert_traced(gm, node, function, inputs, fake_mode, prefix=f"_dcp_{node.name}")
     node.replace_all_uses_with(result)
     gm.graph.erase_node(node)
     return result
+
+
+def insert_traced(gm: fx.GraphModule, before: fx.Node, function: Callable[..., Any], inputs: Sequence[fx.Node],
+                  fake_mode: Any, prefix: str) -> Any:
+    """The ATen graph of ``function(*inputs)``, traced on those inputs alone and copied into ``gm``
+    before ``before``; its lifted constants become attributes of ``gm`` named ``prefix_<name>``.
+    Returns what the copied graph returns (a node, or a tuple of nodes)."""
+    subgraph = retrace(function, [n.meta["val"] for n in inputs], fake_mode)
+    for constant in subgraph.graph.find_nodes(op="get_attr"):  # lifted constants move over
+        name = f"{prefix}_{constant.target}"
+        setattr(gm, name, getattr(subgraph, constant.target))
+        constant.target = name
+    placeholders = subgraph.graph.find_nodes(op="placeholder")
+    with gm.graph.inserting_before(before):
+        return gm.graph.graph_copy(subgraph.graph, dict(zip(placeholders, inputs)))
 
 
 def interpret(gm: fx.GraphModule) -> Callable[..., Any]:

@@ -38,7 +38,7 @@ from dcp_compile.kernels.attention_choice import TABLE_ENV, VarlenChoice, Varlen
     available_in_graph, choose_varlen_kernel
 from dcp_compile.kernels.dispatch import requested_backend
 from dcp_compile.kernels.varlen_flex import document_mask_inputs, flex_document_attention_of_mask
-from dcp_compile.compiler.graph_capture import retrace, splice_traced
+from dcp_compile.compiler.graph_capture import insert_traced, splice_traced
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import SDPA, sdpa_argument
 
@@ -93,14 +93,8 @@ def insert_document_mask(gm: fx.GraphModule, before: fx.Node, query: fx.Node, bo
     def build(boundaries: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return document_mask_inputs(boundaries, tokens(query), causal)
 
-    subgraph = retrace(build, [boundaries.meta["val"], query.meta["val"]], ctx.fake_mode)
-    for constant in subgraph.graph.find_nodes(op="get_attr"):  # lifted constants move over
-        name = f"_dcp_document_mask_{int(causal)}_{constant.target}"
-        setattr(gm, name, getattr(subgraph, constant.target))
-        constant.target = name
-    placeholders = subgraph.graph.find_nodes(op="placeholder")
-    with gm.graph.inserting_before(before):
-        return tuple(gm.graph.graph_copy(subgraph.graph, dict(zip(placeholders, [boundaries, query]))))
+    return tuple(insert_traced(gm, before, build, [boundaries, query], ctx.fake_mode,
+                               prefix=f"_dcp_document_mask_{int(causal)}"))
 
 
 @dataclass(frozen=True)
