@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
+from dcp_compile.compiler.dynamic_output_shapes import dynamic_output_shapes_allowed
 from dcp_compile.compiler.progress import compile_stage, compiling
 from dcp_compile.compiler.inductor_patches import (
     caches_keyed_by_the_fix, stride_sort_with_shape_env, symbolic_forward_output_strides,
@@ -135,6 +136,12 @@ def _num_outputs(gm: fx.GraphModule) -> int:
     return len(output.args[0]) if isinstance(output.args[0], (tuple, list)) else 1
 
 
+def _fake_mode(example_inputs: list[Any]) -> Any:
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode(example_inputs)
+
+
 def compile_aot_eager(gm: fx.GraphModule, example_inputs: list[Any], record: VariantRecord) -> Callable:
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
@@ -150,7 +157,7 @@ def compile_aot_eager(gm: fx.GraphModule, example_inputs: list[Any], record: Var
         _record_backward(record, backward)
         return make_boxed_func(backward.forward)
 
-    with compile_stage("AOTAutograd trace and partition"):
+    with compile_stage("AOTAutograd trace and partition"), dynamic_output_shapes_allowed(_fake_mode(example_inputs)):
         return aot_module_simplified(
             gm, example_inputs, fw_compiler=forward_compiler, bw_compiler=backward_compiler,
             partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True,
@@ -201,6 +208,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list[Any], record: Vari
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     user_outputs = _num_outputs(gm)
+    fake_mode = _fake_mode(example_inputs)  # the backward is compiled later, outside the variant's compile
 
     def recording_inner(graph: fx.GraphModule, inputs: list[Any], **kwargs: Any):
         if kwargs.get("is_backward"):
@@ -210,14 +218,16 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list[Any], record: Vari
             _record_forward(record, graph, user_outputs)
             stage = "Inductor: forward"
         # A backward compiled at the first backward call, after the variant's compile, beats alone.
-        with compiling(f"variant {record.variant}", stage), stride_sort_with_shape_env():  # pytorch#172204
+        with (compiling(f"variant {record.variant}", stage), stride_sort_with_shape_env(),  # pytorch#172204
+              dynamic_output_shapes_allowed(fake_mode)):
             compiled = compile_fx_inner(graph, inputs, **kwargs)
         if not kwargs.get("is_backward"):  # the backward, compiled once for every length, reads them
             symbolic_forward_output_strides(compiled, inputs)
         return compiled
 
     try:
-        with compile_stage("AOTAutograd trace and partition"), autograd_cache_off_if_tagged(gm), caches_keyed_by_the_fix():
+        with (compile_stage("AOTAutograd trace and partition"), autograd_cache_off_if_tagged(gm), caches_keyed_by_the_fix(),
+              dynamic_output_shapes_allowed(fake_mode)):
             return compile_fx(gm, example_inputs, inner_compile=recording_inner)
     except Exception as error:
         if not _is_inductor_stride_sort_bug(error):

@@ -1,0 +1,87 @@
+"""A boolean-mask write between attentions (GLM-Image's ``prior_embedding[prior_token_drop] *= 0.0``)
+compiled through AOTAutograd.
+
+Dynamo cuts the graph at the masked read (its output size depends on the data) and hands over a
+graph that starts with the write, ``index_put`` with a boolean index. That op's gradient for the
+written values is ``grad[mask]``, a ``nonzero`` the forward never ran: the joint trace raised
+``DynamicOutputShapeException`` in dynamo's shape environment (plain ``torch.compile`` with
+``aot_eager`` raises the same). Dynamo then either cut the graph again and ran the write as eager
+code (here) or, in a model with an ``allow_in_graph`` function (GLM-Image), raised
+``BackendCompilerFailed``. dcp allows data-dependent output sizes while it compiles
+(``dcp_compile/compiler/dynamic_output_shapes.py``). Parity on two gloo ranks under
+``aot_eager`` (the joint trace is the same for Inductor), at a length the SP size divides and one it
+does not; every attention of every graph sharded, no fallback.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dcp_compile.testing.process_world import run_in_process_world
+
+WIDTH, HEADS = 16, 2
+MASKED_WRITES = (torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default)
+
+
+class MaskedWriteBetweenAttentions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, WIDTH)
+        self.qkv1, self.qkv2 = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, 3 * WIDTH)
+        self.out = nn.Linear(WIDTH, WIDTH)
+
+    @staticmethod
+    def _attend(qkv: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = qkv(x).unflatten(-1, (3, HEADS, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+        hidden = x + self._attend(self.qkv1, x)
+        prior = self.embed(ids)
+        prior[drop] *= 0.0  # a boolean-mask read (dynamo cuts here) and write
+        hidden = hidden + prior
+        return self.out(hidden + self._attend(self.qkv2, hidden))
+
+
+def _worker(rank: int, world_size: int, lengths: tuple[int, ...]) -> list[dict]:
+    import dcp_compile as dcp
+
+    torch.manual_seed(0)
+    model = MaskedWriteBetweenAttentions()
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "aot_eager", "sp_size": world_size})
+    drop = torch.tensor([True, False])
+    results = []
+    for length in lengths:
+        generator = torch.Generator().manual_seed(length)
+        x, ids = torch.randn(2, length, WIDTH, generator=generator), torch.randint(0, 32, (2, length), generator=generator)
+        model.zero_grad()
+        expected = model(x, ids, drop)
+        expected.square().mean().backward()
+        eager_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        record = dcp.explain(compiled, x, ids, drop)
+        actual = compiled(x, ids, drop)
+        actual.square().mean().backward()
+        dcp.sync_gradients(model)
+        variants = [v for graph in record.graphs for v in graph.variants.values()]
+        results.append({
+            "length": length,
+            "output_error": (actual - expected).abs().max().item(),
+            "grad_error": max((model.get_parameter(n).grad - g).abs().max().item() for n, g in eager_grads.items()),
+            "sites": [(v.sp_size, len(v.sharded_sites), v.attention_sites) for v in variants],
+            "fallbacks": [v.inner_fallback for v in variants if v.inner_fallback],
+            # Before the fix dynamo caught the backend's exception and ran the write as eager code.
+            "masked_writes": sum(node.target in MASKED_WRITES for graph in record.graphs for node in graph.graph.graph.nodes),
+        })
+    return results
+
+
+def test_masked_write_between_attentions_compiles_sharded_at_parity():
+    for per_length in run_in_process_world(_worker, 2, (12, 7), timeout=600):
+        for result in per_length:
+            assert result["masked_writes"] == 1, result  # compiled by dcp, not run as eager code
+            assert sorted(result["sites"]) == [(2, 1, 1), (2, 1, 1)], result  # each attention sharded
+            assert result["fallbacks"] == [], result
+            assert result["output_error"] < 1e-5 and result["grad_error"] < 1e-5, result
