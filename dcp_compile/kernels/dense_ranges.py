@@ -14,12 +14,24 @@ from typing import Sequence
 WHOLE_ROW_TOKENS = 512  # rows this short are always computed in one masked pass
 
 
+def computes_whole_row(total: int, squares: float, sequences: int) -> bool:
+    """Whether a row of ``total`` tokens packing ``sequences`` non-empty sequences whose squared
+    lengths sum to ``squares`` is computed in one masked pass. It depends on these three sums
+    alone, so a planner that keeps them per micro-batch can count the scores without the bounds."""
+    return sequences > 1 and (total <= WHOLE_ROW_TOKENS or total * total <= 2 * squares)
+
+
+def scores_from_sums(total: int, squares: float, sequences: int) -> float:
+    """Scores per head the kernel computes for such a row: ``total^2`` or ``squares``."""
+    return float(total * total) if computes_whole_row(total, squares, sequences) else float(squares)
+
+
 def dense_ranges(bounds: Sequence[tuple[int, int]], total: int) -> tuple[list[tuple[int, int]], bool]:
     """The ranges to compute densely for sequences at ``bounds`` in a row of ``total`` tokens, and
     whether that is the whole row at once."""
     bounds = [(start, end) for start, end in bounds if end > start]
     squares = sum((end - start) ** 2 for start, end in bounds)
-    if len(bounds) > 1 and (total <= WHOLE_ROW_TOKENS or total * total <= 2 * squares):
+    if computes_whole_row(total, squares, len(bounds)):
         return [(0, total)], True
     return list(bounds), False
 

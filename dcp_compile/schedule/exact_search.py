@@ -86,7 +86,7 @@ def exact_search(state: PlanState, node_budget: int) -> None:
             policy = planner.policy_for(level, tokens)
             if policy < 0:
                 continue
-            time = planner.micro_batch_time(level, policy, tokens, m[6] + key, len(m[8]) + 1)
+            time = state.micro_batch_time(level, policy, tokens, m[6] + key, len(m[8]) + 1)
             delta = time - m[7]
             first, size = m[2], m[3]
             new_max = current_max

@@ -157,7 +157,7 @@ def _best_consolidation(state: PlanState, critical: int, threshold: float) -> tu
         if tokens > planner.max_capacity[level]:
             continue
         policy = planner.policy_for(level, tokens)
-        time = planner.micro_batch_time(level, policy, tokens, sum(mb.keys for mb in mbs), sum(len(mb.members) for mb in mbs))
+        time = state.micro_batch_time(level, policy, tokens, sum(mb.keys for mb in mbs), sum(len(mb.members) for mb in mbs))
         value = above[level + 1] + time
         if value < threshold:
             threshold = value
@@ -177,7 +177,7 @@ def _consolidate(state: PlanState, level: int, k: int, _value: float) -> None:
     tokens = sum(state.lengths[i] for i in members)
     keys = sum(state.keys[i] for i in members)
     policy = planner.policy_for(level, tokens)
-    time = planner.micro_batch_time(level, policy, tokens, keys, len(members))
+    time = state.micro_batch_time(level, policy, tokens, keys, len(members))
     mb = DraftMicroBatch(level, block, policy, tokens, keys, time, members)
     state.block_mbs[block].append(mb)
     for i in members:
@@ -272,7 +272,7 @@ def merge_micro_batches(state: PlanState) -> None:
                     if tokens > capacity[policy] or not state.packable(first.members, second.members):
                         continue
                     policy = planner.policy_for(level, tokens)
-                    time = planner.micro_batch_time(level, policy, tokens, first.keys + second.keys,
+                    time = state.micro_batch_time(level, policy, tokens, first.keys + second.keys,
                                                    len(first.members) + len(second.members))
                     # a slower policy for one side's tokens can cost more than the fixed cost saved
                     if time < first.time + second.time - EPSILON:

@@ -56,6 +56,7 @@ def _place_on_level(state: PlanState, level: int, items: list[int]) -> None:
     level_of = state.level
     loads = state.loads
     mixed = planner.mixed_packing
+    dense = state.dense_rows
     count = planner.blocks_per_level[level]
     if size == 1:
         heap = [(loads[k], k) for k in range(count)]
@@ -76,7 +77,10 @@ def _place_on_level(state: PlanState, level: int, items: list[int]) -> None:
             q = mb.policy
             if mb.tokens + length <= capacity[q] and (mixed or lengths[mb.members[0]] == length):
                 key = keys[i]
-                delta = per_token[q] * length + per_key[q] * key + per_sequence[q]
+                if dense:
+                    delta = state.micro_batch_time(level, q, mb.tokens + length, mb.keys + key, len(mb.members) + 1) - mb.time
+                else:
+                    delta = per_token[q] * length + per_key[q] * key + per_sequence[q]
                 mb.tokens += length
                 mb.keys += key
                 mb.time += delta

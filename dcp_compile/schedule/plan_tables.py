@@ -13,6 +13,7 @@ import logging
 
 from dcp_compile.variant import RECOMPUTE_POLICIES
 
+from .analytic import ScoreLayout
 from .cost_model import CostModel
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,9 @@ class PlanTables:
         self.world_size = world_size
         self.mixed_packing = mixed_packing
         self.memory_cap = memory_cap
+        # Which scores a packed micro-batch computes on the measured device: the planner must count
+        # what the cost model counts, or it prices packed rows below what they cost there.
+        self.score_layout = cost_model.score_layout
         limit = min(world_size, max_sp_size or world_size)
         sizes = [1]
         while sizes[-1] * 2 <= limit:

@@ -58,6 +58,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from .analytic import ScoreLayout
 from .cost_model import CostModel
 from .exact_search import exact_search
 from .levels import choose_levels
@@ -145,7 +146,9 @@ class Planner(PlanTables):
         collecting = gc.isenabled()
         gc.disable()
         try:
-            state = PlanState(self, lengths, keys)
+            # A packed row's scores on a dense-row device follow from its sums only when keys are
+            # squared lengths; given spans, the cost model counts them as given, and so does this.
+            state = PlanState(self, lengths, keys, dense_rows=spans is None and self.score_layout is ScoreLayout.DENSE_RANGES)
             choose_levels(state)
             place(state)
             # Large steps are already within a fraction of a percent after placement (many small

@@ -47,10 +47,18 @@ class DraftMicroBatch:
 class PlanState:
     """Working state of one planning call."""
 
-    def __init__(self, tables: PlanTables, lengths: list[int], keys: list[float]) -> None:
+    def __init__(self, tables: PlanTables, lengths: list[int], keys: list[float], dense_rows: bool = False) -> None:
         self.tables = tables
         self.lengths = lengths
         self.keys = keys
+        # keys are squared lengths and the device's kernel may compute a packed row's whole T^2
+        # (``ScoreLayout.DENSE_RANGES``): a micro-batch's scores then follow from its sums alone.
+        self.dense_rows = dense_rows
+        self._scores_from_sums = None
+        if dense_rows:
+            from dcp_compile.kernels.dense_ranges import scores_from_sums
+
+            self._scores_from_sums = scores_from_sums
         self.n = len(lengths)
         self.level = [0] * self.n
         self.world = tables.world_size
@@ -61,6 +69,13 @@ class PlanState:
         self.average_load = 0.0
         self._options_cache: dict[tuple[int, float], list[tuple[int, int, float]]] = {}
         self._neighbour_cache: dict[tuple[int, float, int], list[int]] = {}
+
+    def micro_batch_time(self, level: int, policy: int, tokens: int, keys: float, sequences: int) -> float:
+        """The cost model's time of a micro-batch with these sums (``keys``: its sequences' own
+        token-keys), counting the scores the device's kernel computes for the packed row."""
+        if self._scores_from_sums is not None:
+            keys = self._scores_from_sums(tokens, keys, sequences)
+        return self.tables.micro_batch_time(level, policy, tokens, keys, sequences)
 
     # ------------------------------------------------------------------ per-sequence options
     def options(self, i: int) -> list[tuple[int, int, float]]:
@@ -147,6 +162,7 @@ class PlanState:
         mbs = self.block_mbs[block]
         mixed = planner.mixed_packing
         lengths = self.lengths
+        dense = self.dense_rows
         for mb in (mbs if len(mbs) <= PACKING_SCAN else mbs[-PACKING_SCAN:]):
             tokens = mb.tokens + length
             if tokens > max_capacity or not (mixed or lengths[mb.members[0]] == length):
@@ -157,8 +173,11 @@ class PlanState:
                 q += 1
             if q == policy_count:
                 continue
-            delta = (fixed[q] + per_token[q] * tokens + per_key[q] * (mb.keys + key)
-                     + per_sequence[q] * (len(mb.members) + 1) - mb.time)
+            if dense:
+                delta = self.micro_batch_time(level, q, tokens, mb.keys + key, len(mb.members) + 1) - mb.time
+            else:
+                delta = (fixed[q] + per_token[q] * tokens + per_key[q] * (mb.keys + key)
+                         + per_sequence[q] * (len(mb.members) + 1) - mb.time)
             if delta < best_delta - EPSILON:
                 best_delta, best_mb, best_policy = delta, mb, q
         return best_delta, best_mb, best_policy
@@ -172,7 +191,7 @@ class PlanState:
         tokens = mb.tokens - self.lengths[i]
         planner = self.tables
         q = planner.policy_for(mb.level, tokens)
-        new_time = planner.micro_batch_time(mb.level, q, tokens, mb.keys - self.keys[i], len(mb.members) - 1)
+        new_time = self.micro_batch_time(mb.level, q, tokens, mb.keys - self.keys[i], len(mb.members) - 1)
         return new_time - mb.time, q
 
     def add(self, i: int, level: int, block: int, mb: DraftMicroBatch | None, policy: int, delta: float,
