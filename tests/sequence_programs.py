@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import traceback
 from typing import Any, Callable
 
@@ -323,6 +324,7 @@ def fuzz_worker(rank: int, world_size: int, cases: list[tuple[tuple[str, ...], t
     failures, gathers, not_sharded, checked = [], 0, 0, 0
     log_path = os.environ.get("DCP_FUZZ_LOG") if rank == 0 else None
     for program, lengths in cases:
+        began = time.process_time()  # this rank's CPU time for the program (a shared machine's load does not move it)
         problems, seen = check_program(tuple(program), list(lengths), FUZZ_RTOL, FUZZ_ATOL, shard_required=False,
                                        scaled_atol=True)
         checked += len(lengths)
@@ -338,7 +340,7 @@ def fuzz_worker(rank: int, world_size: int, cases: list[tuple[tuple[str, ...], t
             with open(log_path, "a") as log:
                 log.write(json.dumps({"world_size": world_size, "program": list(program), "lengths": list(lengths),
                                       "gathers": len(seen["gathers"]), "not_sharded": len(seen["not_sharded"]),
-                                      "failure": failure}) + "\n")
+                                      "failure": failure, "cpu_s": round(time.process_time() - began, 3)}) + "\n")
     return {"failures": failures, "checked": checked, "gathers": gathers, "not_sharded": not_sharded}
 
 
@@ -370,8 +372,10 @@ def check_model(name: str, factory: Callable[[], nn.Module], make_input: Callabl
         try:
             eager_model = factory()
             reference = run(eager_model, eager_model, make_input(length))
-            records = dcp.explain(compiled, make_input(length))
-            actual = run(model, compiled, make_input(length), group=True)
+            with dcp.recording() as records:  # the records of this call, no extra forward, no graph snapshots
+                actual = run(model, compiled, make_input(length), group=True)
+            if not records.graphs:  # as dcp.explain would refuse: the check must have run dcp's code
+                raise RuntimeError("the call ran no graph compiled by the dcp backend")
         except Exception:
             problems.append(f"{label}: raised\n{traceback.format_exc()}")
             continue

@@ -91,28 +91,45 @@ def test_slow_fuzz_tier(world_size):
 
 
 def write_results(log_paths: list[str], path: str, note: str) -> dict:
-    """The slow tier's counts from its ``DCP_FUZZ_LOG`` files (a line per program checked)."""
+    """The slow tier's counts from its ``DCP_FUZZ_LOG`` files (a line per program checked): a row
+    per log (one run: its file name says SP, seed and code revision) and the totals per SP size."""
     import collections
     import json
+    import statistics
 
     import torch
 
-    rows = [json.loads(line) for log_path in log_paths for line in open(log_path) if line.strip()]
+    runs = [(os.path.basename(log_path), [json.loads(line) for line in open(log_path) if line.strip()])
+            for log_path in log_paths]
+    rows = [row for _, run_rows in runs for row in run_rows]
+    header = ("| programs | (program, length) checks | silently wrong | gathers (each with a reason) | "
+              "variants not fully sharded (recorded, parity still required) |")
+
+    def counts(mine: list[dict]) -> str:
+        return (f"{len(mine)} | {sum(len(r['lengths']) for r in mine)} | {sum(1 for r in mine if r['failure'])} | "
+                f"{sum(r['gathers'] for r in mine)} | {sum(r['not_sharded'] for r in mine)} |")
+
     lines = ["# Sequence fuzzer, slow tier", "",
              f"Measured on CPU, torch {torch.__version__}, gloo ranks, `tests/test_sequence_fuzz.py::test_slow_fuzz_tier` "
              "with `DCP_FUZZ_LOG` (a line per program as it finishes; a run stopped early still counts what it "
              "checked). " + note, "",
-             "| SP | programs | (program, length) checks | silently wrong | gathers (each with a reason) | "
-             "variants not fully sharded (recorded, parity still required) |", "| --- | --- | --- | --- | --- | --- |"]
+             "Totals over the logs below:", "", "| SP " + header, "| --- " * 6 + "|"]
     totals = {}
     for world_size in sorted({row["world_size"] for row in rows}):
         mine = [row for row in rows if row["world_size"] == world_size]
-        failures = [row for row in mine if row["failure"]]
-        totals[world_size] = (len(mine), len(failures))
-        lines.append(f"| {world_size} | {len(mine)} | {sum(len(r['lengths']) for r in mine)} | {len(failures)} | "
-                     f"{sum(r['gathers'] for r in mine)} | {sum(r['not_sharded'] for r in mine)} |")
+        totals[world_size] = (len(mine), sum(1 for r in mine if r["failure"]))
+        lines.append(f"| {world_size} | " + counts(mine))
+    lines += ["", "Per run (log file `sequence_fuzz_sp<SP>_seed<DCP_FUZZ_SEED>_<revision>.jsonl`; CPU: rank 0's "
+              "process CPU time per program, median, where the log has it):", "",
+              "| log | SP " + header + " CPU s / program (rank 0) |", "| --- " * 8 + "|"]
+    for name, run_rows in runs:
+        if not run_rows:
+            continue
+        cpu = [r["cpu_s"] for r in run_rows if "cpu_s" in r]
+        cpu_text = f"{statistics.median(cpu):.2f}" if cpu else "not logged"
+        lines.append(f"| `{name}` | {run_rows[0]['world_size']} | " + counts(run_rows) + f" {cpu_text} |")
     failures = [row["failure"] for row in rows if row["failure"]]
-    lines += ["", "Failures (shrunk):" if failures else "No program was silently wrong."]
+    lines += ["", "Failures (shrunk):" if failures else "No program in these logs was silently wrong."]
     lines += [f"- `{f['shrunk']}` at length {f['length']} (drawn as `{f['program']}`): {f['problems'][0][:200]}"
               for f in failures]
     ops = collections.Counter(op for row in rows for op in row["program"])
