@@ -16,11 +16,13 @@ carry the symbolic sizes dynamo allocated: the sequence length stays one symbol 
 from __future__ import annotations
 
 import contextlib
+import copy
 import operator
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
+import torch.fx.proxy as fx_proxy
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental import _config as fx_config
 from torch._guards import TracingContext, detect_fake_mode
@@ -155,13 +157,38 @@ def insert_traced(gm: fx.GraphModule, before: fx.Node, function: Callable[..., A
     before ``before``; its lifted constants become attributes of ``gm`` named ``prefix_<name>``.
     Returns what the copied graph returns (a node, or a tuple of nodes)."""
     subgraph = retrace(function, [n.meta["val"] for n in inputs], fake_mode)
+    return copy_traced(gm, before, subgraph, inputs, prefix)
+
+
+def copy_traced(gm: fx.GraphModule, before: fx.Node, subgraph: fx.GraphModule, inputs: Sequence[fx.Node],
+                prefix: str, stamp: dict[str, Any] | None = None) -> Any:
+    """Copy the traced ``subgraph`` into ``gm`` before ``before``, its placeholders bound to
+    ``inputs``; its lifted constants become attributes of ``gm`` named ``prefix_<name>``. The
+    subgraph is left as it was, so one trace can be copied in at several sites. ``stamp``: node
+    meta (stack trace, recompute tags, ...) each copied node takes where the trace set none, as
+    a trace under ``fx.traceback.set_current_meta`` of the site would have given it."""
+    placeholders = subgraph.graph.find_nodes(op="placeholder")
+    copied: dict[fx.Node, fx.Node] = dict(zip(placeholders, inputs))
+    with gm.graph.inserting_before(before):
+        result = gm.graph.graph_copy(subgraph.graph, copied)
     for constant in subgraph.graph.find_nodes(op="get_attr"):  # lifted constants move over
         name = f"{prefix}_{constant.target}"
         setattr(gm, name, getattr(subgraph, constant.target))
-        constant.target = name
-    placeholders = subgraph.graph.find_nodes(op="placeholder")
-    with gm.graph.inserting_before(before):
-        return gm.graph.graph_copy(subgraph.graph, dict(zip(placeholders, inputs)))
+        copied[constant].target = name
+    if stamp:
+        fields = [field for field in ("stack_trace", *fx_proxy._COPY_META_FIELDS) if field in stamp]
+        for node in subgraph.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            for field in fields:
+                copied[node].meta.setdefault(field, copy.copy(stamp[field]))
+    return result
+
+
+def site_meta(node: fx.Node) -> dict[str, Any]:
+    """The meta a trace under ``fx.traceback.set_current_meta(node)`` gives the nodes it creates."""
+    with fx_traceback.preserve_node_meta(), fx_traceback.set_current_meta(node):
+        return dict(fx_traceback.get_current_meta())
 
 
 def interpret(gm: fx.GraphModule) -> Callable[..., Any]:

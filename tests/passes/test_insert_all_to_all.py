@@ -10,6 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pass_helpers import A2A, SDPA, compile_variants, pass_record
 
+from torch.utils.checkpoint import CheckpointPolicy
+
 from dcp_compile.variant import Variant
 
 LENGTH, CONTEXT, HEADS = 12, 5, 4
@@ -61,3 +63,29 @@ def test_two_all_to_alls_per_cross_attention(fake_world):
     query, key = cross.args[0].meta["val"], cross.args[1].meta["val"]
     assert query.shape[1] == key.shape[1] == HEADS // 2  # the context's heads cut locally
     assert query.shape[2].node.hint == LENGTH and key.shape[2].node.hint == CONTEXT
+
+
+class TwoBlocks(nn.Module):
+    """Two alike self-attention layers, the second checkpointed (its ops tagged for recompute)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = Block(), Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.second, self.first(x), use_reentrant=False)
+
+
+def test_alike_sites_are_traced_once_and_keep_their_own_meta(fake_world, monkeypatch):
+    from dcp_compile.compiler.passes import insert_all_to_all
+
+    traces = []
+    retrace = insert_all_to_all.retrace
+    monkeypatch.setattr(insert_all_to_all, "retrace", lambda *a, **k: traces.append(1) or retrace(*a, **k))
+    record, inserted = lowered(TwoBlocks(), torch.randn(2, LENGTH, 16))
+    assert inserted == 8 and len(record.sharded_sites) == 2 and record.is_sharded
+    assert len(traces) == 1  # the second layer's lowering is a copy of the first's trace
+    first, second = [n for n in record.graph.graph.nodes if n.target is SDPA]
+    assert first.meta.get("recompute") is None
+    assert second.meta.get("recompute") is CheckpointPolicy.PREFER_RECOMPUTE  # the second site's own tag
+    assert first.args[0] is not second.args[0] and first.args[0].meta["val"].shape == second.args[0].meta["val"].shape

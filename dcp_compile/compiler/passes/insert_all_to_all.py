@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 import torch.fx as fx
 
-from dcp_compile.compiler.graph_capture import splice_traced
+from dcp_compile.compiler.graph_capture import copy_traced, retrace, site_meta
 from dcp_compile.compiler.passes import sharded_attention_op  # noqa: F401
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.ulysses import plan_site, ulysses_attention
@@ -34,10 +34,13 @@ def _marker_arguments(node: fx.Node) -> list[Any]:
     return values
 
 
-def _lower_marker(gm: fx.GraphModule, marker: fx.Node, ctx: PassContext) -> None:
-    """Replace one marker by its Ulysses lowering, traced on the marker's own inputs."""
+def _lower_marker(gm: fx.GraphModule, marker: fx.Node, ctx: PassContext,
+                  traced: dict[Hashable, fx.GraphModule]) -> None:
+    """Replace one marker by its Ulysses lowering, traced on the marker's own inputs, or copied
+    from an earlier site of the same signature (``traced``)."""
     values = _marker_arguments(marker)
     graph_positions = [i for i, value in enumerate(values) if isinstance(value, fx.Node)]
+    inputs = [values[i] for i in graph_positions]
 
     def lower(*graph_values: Any) -> torch.Tensor:
         arguments = list(values)
@@ -46,8 +49,53 @@ def _lower_marker(gm: fx.GraphModule, marker: fx.Node, ctx: PassContext) -> None
         return ulysses_attention(*arguments, sp_size=ctx.sp_size, rank=ctx.rank, group=ctx.group_name,
                                  packed=ctx.packed)
 
-    splice_traced(gm, marker, lower, [values[i] for i in graph_positions], ctx.fake_mode)
+    signature = site_signature(values)
+    subgraph = traced.get(signature) if signature is not None else None
+    if subgraph is None:
+        subgraph = retrace(lower, [node.meta["val"] for node in inputs], ctx.fake_mode)
+        if signature is not None:
+            traced[signature] = subgraph
+    result = copy_traced(gm, marker, subgraph, inputs, prefix=f"_dcp_{marker.name}", stamp=site_meta(marker))
+    marker.replace_all_uses_with(result)
+    gm.graph.erase_node(marker)
     _record_layout(marker.name, values, ctx)
+
+
+def _meta_signature(value: Any) -> Hashable:
+    """What a trace reads of one graph input: its sizes, strides, offset, dtype, device (symbolic
+    sizes by their expressions), or the value of a symbolic integer."""
+    def expression(size: Any) -> Hashable:
+        return size.node.expr if isinstance(size, torch.SymInt) else size
+
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(map(expression, value.shape)), tuple(map(expression, value.stride())),
+                expression(value.storage_offset()), value.dtype, value.device, value.requires_grad)
+    if isinstance(value, (torch.SymInt, int)):
+        return ("int", expression(value))
+    raise TypeError(type(value).__name__)
+
+
+def site_signature(values: list[Any]) -> Hashable | None:
+    """A key under which two sites' Ulysses lowerings are the same graph of their inputs: the
+    constant arguments, each graph input's metadata, and which inputs are the same node. None
+    (trace the site on its own) where an argument is of a kind not compared here."""
+    nodes = [value for value in values if isinstance(value, fx.Node)]
+    try:
+        parts = []
+        for value in values:
+            if isinstance(value, fx.Node):
+                parts.append(("node", nodes.index(value), _meta_signature(value.meta.get("val"))))
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                parts.append(("constant", type(value).__name__, value))
+            else:
+                return None
+        identities = [id(node.meta.get("val")) for node in nodes]
+        parts.append(tuple(identities.index(identity) for identity in identities))
+        signature = tuple(parts)
+        hash(signature)
+    except TypeError:
+        return None
+    return signature
 
 
 def _record_layout(site: str, values: list[Any], ctx: PassContext) -> None:
@@ -65,8 +113,9 @@ def insert_all_to_all_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     markers = list(gm.graph.find_nodes(op="call_function", target=SHARDED_ATTENTION))
     if not markers:
         return gm
+    traced: dict[Hashable, fx.GraphModule] = {}  # attention layers alike: one trace for all (the pass's cost)
     for marker in markers:
-        _lower_marker(gm, marker, ctx)
+        _lower_marker(gm, marker, ctx, traced)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     log.info("dcp: Ulysses all-to-all around %d attention site(s)", len(markers))
