@@ -26,6 +26,10 @@ trace, joint passes, partition) and Inductor (``compile_fx_inner``: lowering, co
 C++ compile) from ``torch._dynamo.utils.compilation_time_metrics`` (what ``compile_times()``
 prints), dcp's ATen re-trace with its analysis and its variant passes from dcp's own log records;
 "other" is the rest of the call (running the step, cache look-ups, what no timer covers).
+Beside the stages, each call reports the CPU seconds of Inductor's C++ compiles (its children) and
+how many C++ kernels it compiled of those its generated code asked for: a kernel whose source an
+earlier variant compiled comes from Inductor's code cache, so the two counts measure how much
+compiled code a further variant shares with the ones before it.
 
     PYTHONPATH=. python benchmarks/compile_time.py --inner inductor aot_eager \\
         --out benchmarks/results/compile_time.md
@@ -48,12 +52,45 @@ MODELS = {"llama": ("llama-sdpa", 64), "dit": ("dit", 64)}  # zoo case, about th
 DCP_VARIANTS = ((2, "none"), (1, "none"), (2, "full"), (1, "attention"))  # the first is the first step
 
 
-def cpu_seconds() -> float:
-    """CPU time of this process and of its children that have finished (the C++ compiles)."""
+def child_cpu_seconds() -> float:
+    """CPU time of this process's finished children: Inductor's C++ compiles (one thread)."""
     import resource
 
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + children.ru_utime + children.ru_stime
+    return children.ru_utime + children.ru_stime
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of its children that have finished (the C++ compiles)."""
+    return time.process_time() + child_cpu_seconds()
+
+
+class CppKernels:
+    """C++ kernels Inductor asked for, and how many it compiled (the rest its code cache served).
+
+    Inductor's CPU kernels go through ``AsyncCompile.cpp_pybinding``, keyed by their source in
+    ``CppPythonBindingsCodeCache``: a kernel whose source an earlier variant compiled costs no
+    C++ compile. Counting both says how much compiled code variants share.
+    """
+
+    def __init__(self) -> None:
+        from torch._inductor.async_compile import AsyncCompile
+
+        self.requested = 0
+        original = AsyncCompile.cpp_pybinding
+        counter = self
+
+        def counted(compiler, argtypes, source_code):
+            counter.requested += 1
+            return original(compiler, argtypes, source_code)
+
+        AsyncCompile.cpp_pybinding = counted
+
+    @staticmethod
+    def compiled() -> int:
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+        return len(CppPythonBindingsCodeCache.cache)
 
 
 def _step(compiled, inputs, loss_of) -> float:
@@ -84,6 +121,7 @@ class StageClock:
         import logging
 
         self.dcp_records: list[logging.LogRecord] = []
+        self.kernels = CppKernels()
         clock = self
 
         class Keep(logging.Handler):
@@ -113,9 +151,13 @@ class StageClock:
     def timed(self, call) -> tuple[float, dict[str, float]]:
         before, first_record = self._torch_totals(), len(self.dcp_records)
         counts_before = self._cache_counts()
-        cpu_before = cpu_seconds()
+        kernels_before = (self.kernels.requested, self.kernels.compiled())
+        cpu_before, child_before = cpu_seconds(), child_cpu_seconds()
         seconds = call()
         self.cpu = cpu_seconds() - cpu_before
+        self.compiler_cpu = child_cpu_seconds() - child_before  # the C++ compiles
+        self.cpp_kernels = {"requested": self.kernels.requested - kernels_before[0],
+                            "compiled": self.kernels.compiled() - kernels_before[1]}
         after = self._torch_totals()
         self.cache_hits = {key: value - counts_before[key] for key, value in self._cache_counts().items()}
         stages = {stage: after[stage] - before[stage] for stage in TORCH_STAGES}
@@ -157,6 +199,7 @@ def worker(model_name: str, mode: str, inner: str) -> dict:
         compiled = torch.compile(model, backend=inner, dynamic=True)
         result["first_step_s"], result["first_step_stages"] = clock.timed(lambda: _step(compiled, inputs, case.loss_of))
         result["first_step_cpu_s"] = clock.cpu
+        result["first_step_cxx_cpu_s"], result["first_step_cpp_kernels"] = clock.compiler_cpu, clock.cpp_kernels
         result["next_step_s"] = _step(compiled, later_inputs, case.loss_of)
         return result
 
@@ -175,12 +218,15 @@ def worker(model_name: str, mode: str, inner: str) -> dict:
             with dcp.use(dcp.Variant(sp_size, recompute)):
                 seconds, stages = clock.timed(lambda: _step(compiled, inputs, case.loss_of))
             variants.append({"variant": f"sp={sp_size}/recompute={recompute}", "first_call_s": seconds,
-                             "first_call_cpu_s": clock.cpu, "stages": stages, "caches": clock.cache_hits})
+                             "first_call_cpu_s": clock.cpu, "first_call_cxx_cpu_s": clock.compiler_cpu,
+                             "first_call_cpp_kernels": clock.cpp_kernels, "stages": stages, "caches": clock.cache_hits})
         with dcp.use(dcp.Variant(*DCP_VARIANTS[0])):
             result["next_step_s"] = _step(compiled, later_inputs, case.loss_of)
         result["first_step_s"] = variants[0]["first_call_s"]
         result["first_step_stages"] = variants[0]["stages"]
         result["first_step_cpu_s"] = variants[0]["first_call_cpu_s"]
+        result["first_step_cxx_cpu_s"] = variants[0]["first_call_cxx_cpu_s"]
+        result["first_step_cpp_kernels"] = variants[0]["first_call_cpp_kernels"]
         result["variants"] = variants
     finally:
         dist.destroy_process_group()
@@ -282,12 +328,24 @@ def _caches(counts: dict[str, int] | None) -> str:
             f"{counts['aot_autograd.autograd_cache_miss']})")
 
 
+def _cxx(record: dict, prefix: str) -> str:
+    """The C++ compiles' CPU seconds and C++ kernels compiled of those asked for (results from before
+    they were kept have neither)."""
+    kernels = record.get(f"{prefix}_cpp_kernels")
+    if not kernels or not kernels["requested"]:
+        return ""
+    return (f" [C++ compiles {record[f'{prefix}_cxx_cpu_s']:.1f} CPU s, {kernels['compiled']} of "
+            f"{kernels['requested']} C++ kernels compiled]")
+
+
 def stage_table(results: list[dict], rows: list[tuple], by_key: dict) -> list[str]:
     """Where each timed call went, stage by stage (seconds; see the module docstring)."""
     if not any("first_step_stages" in r for r in results):
         return []
     lines = ["", "Where the time went (wall seconds per stage of each timed call, as torch and dcp time them; "
-             "stages under 0.05 s left out):", "",
+             "stages under 0.05 s left out; in brackets the CPU seconds of Inductor's C++ compiles, and how many "
+             "C++ kernels it compiled of those the call asked for: the rest its code cache served, compiled by "
+             "an earlier variant with the same source):", "",
              "| model | inner | plain first step | dcp first step (SP 2) | dcp further variants |",
              "| --- | --- | --- | --- | --- |"]
     for model_name, inner, run in rows:
@@ -295,9 +353,10 @@ def stage_table(results: list[dict], rows: list[tuple], by_key: dict) -> list[st
         if not plain or not dcp or "error" in plain or "error" in dcp:
             continue
         further = "; ".join(f"{v['variant']}: {_stages(v.get('stages'))}{_caches(v.get('caches'))}"
-                            for v in dcp["variants"][1:])
-        lines.append(f"| {model_name}, pass {run + 1} | {inner} | {_stages(plain.get('first_step_stages'))} | "
-                     f"{_stages(dcp.get('first_step_stages'))} | {further} |")
+                            f"{_cxx(v, 'first_call')}" for v in dcp["variants"][1:])
+        lines.append(f"| {model_name}, pass {run + 1} | {inner} | {_stages(plain.get('first_step_stages'))}"
+                     f"{_cxx(plain, 'first_step')} | {_stages(dcp.get('first_step_stages'))}{_cxx(dcp, 'first_step')} | "
+                     f"{further} |")
     return lines
 
 
