@@ -127,8 +127,34 @@ def gather_heads(heads: torch.Tensor, num_heads: int, sp_size: int, group: str) 
 
 
 def _segments(tensor: torch.Tensor, before: Any, after: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    local = tensor.shape[2] - before - after
-    return tensor.narrow(2, 0, before), tensor.narrow(2, before, local), tensor.narrow(2, before + local, after)
+    """``[leading | chunk | trailing]`` along dim 2.
+
+    When the joint length holds an unbacked size (text selected with ``nonzero``: Mochi), the
+    segments are gathered by position instead of sliced, for two Inductor/AOTAutograd limits
+    (torch <= 2.13) that a slice meets and an index does not:
+
+    - the chunk sliced from ``[chunk | u text]`` has the head stride ``(S_r + u) * D``; Inductor
+      lowered the all-to-all's view of it asking whether that equals ``S_r * D``
+      (``Ne(8*u8 + 424, 424)``): it reasons size-obliviously only when *sizes* hold an unbacked
+      symbol, so it raised ``GuardOnDataDependentSymNode``;
+    - a slice must prove its bounds, and on the last rank, whose chunk is ``S - (S + 1) // 2``,
+      ``0 <= S - (S + 1) // 2 + u`` does not follow from value ranges once the hint-free ``u`` is
+      in it: AOTAutograd's re-trace gave the slice a new unbacked size that attention guarded on,
+      and Inductor's slice lowering raised ``GuardOnDataDependentSymNode``.
+
+    The gathered chunk is contiguous; the copy is one the all-to-all makes anyway (its send buffer
+    is a permuted copy), as ``select_heads`` copies the replicated segments."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    total = tensor.shape[2]
+    local = total - before - after
+    if not free_unbacked_symbols(total):
+        return tensor.narrow(2, 0, before), tensor.narrow(2, before, local), tensor.narrow(2, before + local, after)
+
+    def positions(start: Any, stop: Any) -> torch.Tensor:
+        return tensor.index_select(2, torch.arange(start, stop, device=tensor.device))
+
+    return positions(0, before), positions(before, before + local), positions(before + local, total)
 
 
 def _present(segment: Any) -> bool:
