@@ -220,7 +220,12 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list[Any], record: Vari
         # A backward compiled at the first backward call, after the variant's compile, beats alone.
         with (compiling(f"variant {record.variant}", stage), stride_sort_with_shape_env(),  # pytorch#172204
               dynamic_output_shapes_allowed(fake_mode)):
-            compiled = compile_fx_inner(graph, inputs, **kwargs)
+            try:
+                compiled = compile_fx_inner(graph, inputs, **kwargs)
+            except Exception as error:
+                if not (kwargs.get("is_backward") and is_data_dependent_guard(error)):
+                    raise
+                return backward_without_inductor(graph, record, error)
         if not kwargs.get("is_backward"):  # the backward, compiled once for every length, reads them
             symbolic_forward_output_strides(compiled, inputs)
         return compiled
@@ -240,6 +245,41 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list[Any], record: Vari
     log.warning("dcp: %s variant %s runs with %s", record.debug_path or "a graph", record.variant,
                 record.inner_fallback)
     return compile_aot_eager(gm, example_inputs, record)
+
+
+def is_data_dependent_guard(error: BaseException) -> bool:
+    """Inductor asked a question about a size that only the data decides (an unbacked symbol)."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, GuardOnDataDependentSymNode):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def backward_without_inductor(graph: fx.GraphModule, record: VariantRecord, error: BaseException) -> Callable:
+    """Run a backward graph that Inductor could not lower as the ATen graph it is (``aot_eager``'s
+    backward), keeping the Inductor forward.
+
+    Inductor (torch <= 2.13) lowers a slice only when it can prove the bounds, and a bound that
+    mixes an unbacked size (text selected with ``nonzero``) with the last rank's chunk
+    ``S - (S + 1) // 2`` is not provable from value ranges: the backward of the model's own
+    ``cat([image chunk, selected text])`` (Mochi's joint attention) slices there. Plain
+    ``torch.compile`` with Inductor fails on Mochi's backward too (``expected [u2] to have been
+    codegen-ed``). Only a data-dependent guard error of a backward takes this path; the record
+    says so (``dcp.explain``) and a warning is logged."""
+    from functorch.compile import make_boxed_func
+
+    reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    record.inner_fallback = ("backward under aot_eager, forward under inductor: Inductor could not lower the "
+                             f"backward on a size only the data decides ({reason}); a torch limit on unbacked "
+                             "sizes (a nonzero-selected segment, Mochi's prompt tokens), see the README's known "
+                             "limitations")
+    log.warning("dcp: %s variant %s runs its %s", record.debug_path or "a graph", record.variant, record.inner_fallback)
+    return make_boxed_func(graph.forward)
 
 
 def compile_eager(gm: fx.GraphModule, example_inputs: list[Any], record: VariantRecord) -> Callable:
