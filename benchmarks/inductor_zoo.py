@@ -16,7 +16,9 @@ backward that asserted the first length's strides failed there). Per case it rec
 ``--no-patch`` sets ``DCP_INDUCTOR_PATCHES=0`` (dcp_compile/compiler/inductor_patches.py, whose
 fixes are on by default), so the run shows what torch's own Inductor does. Inductor on CPU generates
 and compiles C++: 3 to 25 minutes per case on a loaded 2-core machine; run one case at a time. The table is rewritten after every case; ``--resume``
-keeps the cases already in the JSON file.
+keeps the cases already in the JSON file (``--resume --redo --cases a,b`` runs a and b again). A
+variant's fallback is read after the runs: a backward compiled at the first backward may fall back
+only then (``inner_compilers.backward_without_inductor``).
 """
 
 from __future__ import annotations
@@ -65,16 +67,13 @@ def survey_one(name: str, tokens: int | None, rank: int = 0) -> dict[str, Any]:
     logging.getLogger("dcp_compile.compiler.inner_compilers").addHandler(Catch(logging.WARNING))
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
     start = time.perf_counter()
+    record = None
     try:
         model = case.build()
         compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "inductor", "sp_size": 2})
         inputs, first = case.make_inputs(lengths[0])
         row["tokens"] = first
         record = dcp.explain(compiled, **inputs)
-        for graph in record.graphs:
-            for variant in graph.variants.values():
-                if variant.inner_fallback:
-                    row["fallbacks"].append(f"graph {graph.graph_id} {variant.variant}: {variant.inner_fallback}")
         for n in lengths:  # the second runs the forward and backward compiled at the first
             inputs, actual = case.make_inputs(n)
             case.loss_of(compiled(**inputs)).backward()
@@ -85,6 +84,11 @@ def survey_one(name: str, tokens: int | None, rank: int = 0) -> dict[str, Any]:
         row["where"] = f"{frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno} ({frames[-1].name})" if frames else None
         row["traceback"] = traceback.format_exc()[-4000:]
     row["seconds"] = round(time.perf_counter() - start, 1)
+    # Read after the runs: a backward is compiled at the first backward, and may fall back then.
+    for graph in record.graphs if record is not None else []:
+        for variant in graph.variants.values():
+            if variant.inner_fallback:
+                row["fallbacks"].append(f"graph {graph.graph_id} {variant.variant}: {variant.inner_fallback}")
     row["fallback_warnings"] = len(warnings)
     from dcp_compile.compiler.inductor_patches import rescued_stride_sorts, symbolic_saved_strides, unknown_value_ranges
 
@@ -97,7 +101,7 @@ def survey_one(name: str, tokens: int | None, rank: int = 0) -> dict[str, Any]:
 def render(rows: list[dict[str, Any]], patched: bool) -> str:
     import torch
 
-    fallbacks = [row["model"] for row in rows if row["fallbacks"]]
+    fallbacks = [row["model"] for row in rows if row["fallbacks"] and not row["error"]]
     unfinished = [row["model"] for row in rows if row["error"] and row["error"].startswith("timeout")]
     errors = [row["model"] for row in rows if row["error"] and row["model"] not in unfinished]
     from dcp_compile.testing import real_models as rm
@@ -152,6 +156,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "inductor_zoo_cpu.md"))
     parser.add_argument("--no-patch", action="store_true", help="torch's Inductor as shipped (DCP_INDUCTOR_PATCHES=0)")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--redo", action="store_true",
+                        help="with --resume: run the --cases again, replacing their rows (default: keep them)")
     parser.add_argument("--render", action="store_true", help="rewrite the table from the JSON file only")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--rank", type=int, default=0, help="the fake world's rank this process plays (0 or 1)")
@@ -170,6 +176,8 @@ def main() -> None:
     if args.render:
         out.write_text(render(rows, not args.no_patch))
         return
+    if args.redo:
+        rows = [row for row in rows if row["model"] not in names]
     done = {row["model"] for row in rows}
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     env.pop("DCP_INDUCTOR_PATCHES", None)  # dcp's fixes are on by default
@@ -191,7 +199,7 @@ def main() -> None:
             return {"model": name, "class": rm.CASES[name].model_class, "tokens": None, "fallbacks": [],
                     "error": f"timeout after {args.timeout:.0f} s", "where": None, "seconds": args.timeout}
 
-    order = {name: index for index, name in enumerate(names)}
+    order = {name: index for index, name in enumerate(rm.CASES)}  # the zoo's order, whatever ran first
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for row in pool.map(survey, [name for name in names if name not in done]):
             rows.append(row)
