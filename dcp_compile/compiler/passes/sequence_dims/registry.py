@@ -167,6 +167,10 @@ def pointwise(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     dims = tuple(mapped.values())
     partners: tuple[tuple[fx.Node, SequenceDim], ...] = ()
     if len(dims) == 1:
+        full = full_length_operands(node, analysis, dims[0], out_rank)
+        if full:
+            return mixing(f"pairs the sequence chunk with {full[0].name}, the full-length result of a "
+                          "sequence-mixing op whose sizes the analysis does not read as the sequence")
         partners = broadcast_partners(node, analysis, dims[0], out_rank)
         aligned += [partner for partner, _ in partners]
     elements = None
@@ -188,6 +192,28 @@ def broadcast_partners(node: fx.Node, analysis: SequenceAnalysis, seq: SequenceD
     records each as a source of the dimension returned with it.
     """
     partners = []
+    for source, position in _spanning_operands(node, analysis, seq, out_rank):
+        role = analysis.roles.get(source)
+        if role is not None and role.role not in (Role.NONE, Role.SOURCE):
+            continue
+        partners.append((source, seq.moved(position)))
+    return tuple(partners)
+
+
+def full_length_operands(node: fx.Node, analysis: SequenceAnalysis, seq: SequenceDim, out_rank: int) -> list[fx.Node]:
+    """Operands with no sequence dimension that span the sequence position as a sequence-mixing
+    op left them: at full length (a gathered value whose size expression the analysis did not
+    read as the sequence, e.g. ``Min(s0, 2*((s0+1)//2))`` after a fold into pairs and a slice).
+    Such an operand cannot be cut like a broadcast partner, and pairing it with the rank's chunk
+    is a shape error, or a silent broadcast when the chunk has one position (default deny)."""
+    return [source for source, _ in _spanning_operands(node, analysis, seq, out_rank)
+            if (role := analysis.roles.get(source)) is not None and role.role in (Role.MIXING, Role.ATTENTION)]
+
+
+def _spanning_operands(node: fx.Node, analysis: SequenceAnalysis, seq: SequenceDim,
+                       out_rank: int) -> list[tuple[fx.Node, int]]:
+    """Tensor operands without a sequence dimension whose size at the sequence position is not 1."""
+    spanning = []
     for source in tensor_inputs(node):
         if analysis.dims_of(source):
             continue
@@ -195,11 +221,8 @@ def broadcast_partners(node: fx.Node, analysis: SequenceAnalysis, seq: SequenceD
         position = seq.dim - (out_rank - len(shape))
         if position < 0 or equal(shape[position], 1):
             continue
-        role = analysis.roles.get(source)
-        if role is not None and role.role not in (Role.NONE, Role.SOURCE):
-            continue
-        partners.append((source, seq.moved(position)))
-    return tuple(partners)
+        spanning.append((source, position))
+    return spanning
 
 
 def record_partners(result: NodeRole, analysis: SequenceAnalysis) -> None:
