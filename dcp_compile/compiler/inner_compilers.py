@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from dcp_compile.compiler.dynamic_output_shapes import dynamic_output_shapes_allowed
 from dcp_compile.compiler.progress import compile_stage, compiling
+from dcp_compile.compiler.invariant_divisions import invariant_divisions_opaque
 from dcp_compile.compiler.inductor_patches import (
     caches_keyed_by_the_fix, stride_sort_with_shape_env, symbolic_forward_output_strides,
 )
@@ -219,7 +220,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list[Any], record: Vari
             stage = "Inductor: forward"
         # A backward compiled at the first backward call, after the variant's compile, beats alone.
         with (compiling(f"variant {record.variant}", stage), stride_sort_with_shape_env(),  # pytorch#172204
-              dynamic_output_shapes_allowed(fake_mode)):
+              dynamic_output_shapes_allowed(fake_mode), invariant_divisions_opaque()):
             try:
                 compiled = compile_fx_inner(graph, inputs, **kwargs)
             except Exception as error:
