@@ -97,11 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spinners", default="0,2,4,6,8",
                         help="busy processes during each run, comma-separated (the last repeats)")
     parser.add_argument("--out", default=str(RESULTS / "demo_runs_cpu.md"))
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs already in OUT's JSON and run the rest (a series stopped part way)")
     args = parser.parse_args(argv)
     spinner_counts = [int(n) for n in args.spinners.split(",")]
-    rows = []
     raw = Path(args.out).with_suffix(".json")
-    for run in range(args.runs):
+    rows = json.loads(raw.read_text()) if args.resume and raw.exists() else []
+    for run in range(len(rows), args.runs):
         spinners = start_spinners(spinner_counts[min(run, len(spinner_counts) - 1)])
         try:
             time.sleep(5 if spinners else 0)  # let the load average see them
