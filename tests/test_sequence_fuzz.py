@@ -15,10 +15,15 @@ the mechanism. The slow tier draws many more (``DCP_FUZZ_PROGRAMS``, default 400
 draws another set) at SP 2 and 4, all in one process world per SP size; ``DCP_FUZZ_LOG`` appends a
 line per program as it finishes, and ``python tests/test_sequence_fuzz.py OUT.md LOG...`` tables them.
 
-Programs run so far (``benchmarks/results/sequence_fuzz.md``): 227 at SP 2 (150, then 77 logged) and
-20 at SP 4, 0 silently wrong. On the shared 2-core machine a program costs ~5 s of CPU per rank
-(dynamo + dcp's passes), ~19 s of wall time under the usual load, so the issue's 2,000 per SP size
-is about 10 hours per size there: not run yet.
+Programs run so far (``benchmarks/results/sequence_fuzz.md``, logs beside it): 1,126 logged at SP 2
+and 700 at SP 4 (2026-12-05), after 227 at SP 2 and 20 at SP 4 before; 0 silently wrong. 25 raised:
+16 were one analysis bug (a fold into the batch followed by any op; fixed, two are REGRESSIONS), 9 are
+``resample`` at length 1, where eager itself raises (a defect of that op's program, not fixed yet).
+CPU per program, rank 0, process clock: ~1.3 s at SP 2 before this session's cuts (dynamo's trace
+~0.48 s, dcp's ATen capture 0.11, shard_sequence's re-trace 0.27-0.31, insert_all_to_all 0.18-0.21,
+dcp.explain's graph snapshots 0.13, eager reference and the checked runs 0.05), ~0.8-1.0 s after
+(the re-traces without the fake-tensor dispatch cache, alike attention sites traced once, records
+from ``dcp.recording()``); ~0.9-1.1 s at SP 4. Dynamo's own trace is now about half of it.
 """
 
 from __future__ import annotations
@@ -105,18 +110,23 @@ def write_results(log_paths: list[str], path: str, note: str) -> dict:
     runs = [(os.path.basename(log_path), [json.loads(line) for line in open(log_path) if line.strip()])
             for log_path in log_paths]
     rows = [row for _, run_rows in runs for row in run_rows]
-    header = ("| programs | (program, length) checks | silently wrong | gathers (each with a reason) | "
-              "variants not fully sharded (recorded, parity still required) |")
+    header = ("| programs | (program, length) checks | silently wrong | raised (compile or run error) | "
+              "gathers (each with a reason) | variants not fully sharded (recorded, parity still required) |")
+
+    def wrong(row: dict) -> bool:
+        return bool(row["failure"]) and any("SILENTLY WRONG" in p for p in row["failure"]["problems"])
 
     def counts(mine: list[dict]) -> str:
-        return (f"{len(mine)} | {sum(len(r['lengths']) for r in mine)} | {sum(1 for r in mine if r['failure'])} | "
+        failed = [r for r in mine if r["failure"]]
+        return (f"{len(mine)} | {sum(len(r['lengths']) for r in mine)} | {sum(map(wrong, failed))} | "
+                f"{sum(not wrong(r) for r in failed)} | "
                 f"{sum(r['gathers'] for r in mine)} | {sum(r['not_sharded'] for r in mine)} |")
 
     lines = ["# Sequence fuzzer, slow tier", "",
              f"Measured on CPU, torch {torch.__version__}, gloo ranks, `tests/test_sequence_fuzz.py::test_slow_fuzz_tier` "
              "with `DCP_FUZZ_LOG` (a line per program as it finishes; a run stopped early still counts what it "
              "checked). " + note, "",
-             "Totals over the logs below:", "", "| SP " + header, "| --- " * 6 + "|"]
+             "Totals over the logs below:", "", "| SP " + header, "| --- " * 7 + "|"]
     totals = {}
     for world_size in sorted({row["world_size"] for row in rows}):
         mine = [row for row in rows if row["world_size"] == world_size]
@@ -124,7 +134,7 @@ def write_results(log_paths: list[str], path: str, note: str) -> dict:
         lines.append(f"| {world_size} | " + counts(mine))
     lines += ["", "Per run (log file `sequence_fuzz_sp<SP>_seed<DCP_FUZZ_SEED>_<revision>.jsonl`; CPU: rank 0's "
               "process CPU time per program, median, where the log has it):", "",
-              "| log | SP " + header + " CPU s / program (rank 0) |", "| --- " * 8 + "|"]
+              "| log | SP " + header + " CPU s / program (rank 0) |", "| --- " * 9 + "|"]
     for name, run_rows in runs:
         if not run_rows:
             continue
@@ -132,9 +142,13 @@ def write_results(log_paths: list[str], path: str, note: str) -> dict:
         cpu_text = f"{statistics.median(cpu):.2f}" if cpu else "not logged"
         lines.append(f"| `{name}` | {run_rows[0]['world_size']} | " + counts(run_rows) + f" {cpu_text} |")
     failures = [row["failure"] for row in rows if row["failure"]]
-    lines += ["", "Failures (shrunk):" if failures else "No program in these logs was silently wrong."]
-    lines += [f"- `{f['shrunk']}` at length {f['length']} (drawn as `{f['program']}`): {f['problems'][0][:200]}"
-              for f in failures]
+    lines += ["", "Failures (shrunk; the problem's first line and its last error line):" if failures
+              else "No program in these logs failed."]
+    for f in failures:
+        problem = f["problems"][0].splitlines()
+        error = next((line for line in reversed(problem) if "Error" in line), "")
+        lines.append(f"- `{f['shrunk']}` at length {f['length']} (drawn as `{f['program']}`): {problem[0][:160]} "
+                     f"{error.strip()[:160]}")
     ops = collections.Counter(op for row in rows for op in row["program"])
     lines += ["", "Ops drawn (times): " + ", ".join(f"{op} {count}" for op, count in sorted(ops.items()))]
     with open(path, "w") as handle:
