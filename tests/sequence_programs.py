@@ -140,7 +140,8 @@ def _pool_over_positions(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
 
 def _resample_positions(m: "ProgramModel", h: torch.Tensor) -> torch.Tensor:
     n = h.shape[1]
-    down = F.interpolate(h.transpose(1, 2), scale_factor=0.5, mode="linear")
+    # size, not scale_factor=0.5: half of one position is no position, and eager itself raises there
+    down = F.interpolate(h.transpose(1, 2), size=max(1, n // 2), mode="linear")
     return F.interpolate(down, size=n, mode="nearest").transpose(1, 2)
 
 

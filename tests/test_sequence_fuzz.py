@@ -18,7 +18,8 @@ line per program as it finishes, and ``python tests/test_sequence_fuzz.py OUT.md
 Programs run so far (``benchmarks/results/sequence_fuzz.md``, logs beside it): 1,126 logged at SP 2
 and 700 at SP 4 (2026-12-05), after 227 at SP 2 and 20 at SP 4 before; 0 silently wrong. 25 raised:
 16 were one analysis bug (a fold into the batch followed by any op; fixed, two are REGRESSIONS), 9 are
-``resample`` at length 1, where eager itself raises (a defect of that op's program, not fixed yet).
+``resample`` at length 1, where eager itself raised (a defect of that op's program: it now resamples to
+``max(1, n // 2)`` positions, a REGRESSION).
 CPU per program, rank 0, process clock: ~1.3 s at SP 2 before this session's cuts (dynamo's trace
 ~0.48 s, dcp's ATen capture 0.11, shard_sequence's re-trace 0.27-0.31, insert_all_to_all 0.18-0.21,
 dcp.explain's graph snapshots 0.13, eager reference and the checked runs 0.05), ~0.8-1.0 s after
@@ -49,6 +50,8 @@ REGRESSIONS: list[tuple[tuple[str, ...], tuple[int, ...]]] = [
     # Raised (a chunk added to a full-length Min(s, 2*((s+1)//2)) value) in the slow tier at SP 2:
     (("fold_into_batch", "copy_whole"), (6,)),
     (("fold_into_batch", "index_add"), (13,)),
+    # Raised in eager itself at length 1 (half of one position by scale_factor): the program's defect.
+    (("resample",), (1, 3)),
 ]
 
 
