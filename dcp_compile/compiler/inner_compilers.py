@@ -171,14 +171,20 @@ def compile_aot_eager(gm: fx.GraphModule, example_inputs: list[Any], record: Var
 INDUCTOR_STRIDE_SORT_BUG = "cannot determine truth value of Relational"
 
 
-def _is_inductor_stride_sort_bug(error: BaseException) -> bool:
+def _error_chain(error: BaseException | None) -> Iterator[BaseException]:
+    """``error`` and what it was raised from or during (torch wraps compile errors), each once."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, TypeError) and INDUCTOR_STRIDE_SORT_BUG in str(error):
-            return any("stride" in frame.name or "fill_order" in frame.name or frame.name == "argsort"
-                       for frame in traceback.extract_tb(error.__traceback__))
+        yield error
         error = error.__cause__ or error.__context__
+
+
+def _is_inductor_stride_sort_bug(error: BaseException) -> bool:
+    for link in _error_chain(error):
+        if isinstance(link, TypeError) and INDUCTOR_STRIDE_SORT_BUG in str(link):
+            return any("stride" in frame.name or "fill_order" in frame.name or frame.name == "argsort"
+                       for frame in traceback.extract_tb(link.__traceback__))
     return False
 
 
@@ -252,13 +258,7 @@ def is_data_dependent_guard(error: BaseException) -> bool:
     """Inductor asked a question about a size that only the data decides (an unbacked symbol)."""
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, GuardOnDataDependentSymNode):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+    return any(isinstance(link, GuardOnDataDependentSymNode) for link in _error_chain(error))
 
 
 def backward_without_inductor(graph: fx.GraphModule, record: VariantRecord, error: BaseException) -> Callable:
