@@ -78,6 +78,7 @@ def _worker(rank: int, world_size: int, lengths: tuple[int, ...]) -> list[dict]:
             "grad_error": max((model.get_parameter(n).grad - g).abs().max().item() for n, g in eager_grads.items()),
             "sites": [(v.sp_size, len(v.sharded_sites), v.attention_sites) for v in variants],
             "fallbacks": [v.inner_fallback for v in variants if v.inner_fallback],
+            "gathers": [str(g) for v in variants for g in v.gathers],
             # Before the fix dynamo caught the backend's exception and ran the write as eager code.
             "masked_writes": sum(node.target in MASKED_WRITES for graph in record.graphs for node in graph.graph.graph.nodes),
         })
@@ -89,7 +90,7 @@ def test_masked_write_between_attentions_compiles_sharded_at_parity():
         for result in per_length:
             assert result["masked_writes"] == 1, result  # compiled by dcp, not run as eager code
             assert sorted(result["sites"]) == [(2, 1, 1), (2, 1, 1)], result  # each attention sharded
-            assert result["fallbacks"] == [], result
+            assert result["fallbacks"] == [] and result["gathers"] == [], result  # the masked write is per sample
             assert result["output_error"] < 1e-5 and result["grad_error"] < 1e-5, result
 
 
