@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from dcp_compile.compiler.sequence_chunks import chunk_lengths, chunk_start
+from dcp_compile.compiler.sequence_chunks import chunk_length, chunk_lengths, chunk_start
 
 functional = torch.ops._c10d_functional
 
@@ -90,9 +90,7 @@ def gather_sequence(local: torch.Tensor, dim: int, full_length, sp_size: int, gr
 
 def narrow_to_chunk(full: torch.Tensor, dim: int, full_length, sp_size: int, rank: int) -> torch.Tensor:
     """This rank's chunk of a full sequence dimension (a view: slicing costs nothing)."""
-    start = chunk_start(full_length, sp_size, rank)
-    length = chunk_lengths(full_length, sp_size)[rank]
-    return full.narrow(dim, start, length)
+    return full.narrow(dim, chunk_start(full_length, sp_size, rank), chunk_length(full_length, sp_size, rank))
 
 
 # --- output gradient ops ---------------------------------------------------------------------

@@ -15,20 +15,28 @@ IntLike = TypeVar("IntLike")
 
 
 def chunk_length(length: IntLike, sp_size: int, rank: int) -> IntLike:
-    """Tokens held by ``rank`` (0 <= rank < sp_size) of a sequence of ``length`` tokens.
+    """Tokens held by ``rank`` (0 <= rank < sp_size) of a sequence of ``length`` tokens: the size of
+    the rank's own chunk.
 
-    The last rank's is written as what the others leave, ``length - start``: equal in value, but
-    the chunks then add up to ``length`` symbolically too. A gathered or all-to-all'd sequence
-    (whose size is the sum of the split sizes) is then ``length`` long, not
-    ``s//2 + (s+1)//2``, which Inductor cannot order against other strides when ``s`` is a
-    product of symbols (an image's ``H*W``)."""
-    if rank == sp_size - 1 and sp_size > 1:
-        return length - chunk_start(length, sp_size, rank)
+    One division for every rank, the last included (``length // P``), so that value ranges prove
+    it non-negative: Inductor lowers a slice of ``[own chunk | u selected tokens]`` (Mochi's
+    joint attention over ``nonzero``-selected text) only when it can show ``chunk + u >= 0``,
+    which ``length - (length + 1) // 2 + u`` does not let it."""
     return (length + (sp_size - 1 - rank)) // sp_size
 
 
 def chunk_lengths(length: IntLike, sp_size: int) -> list[IntLike]:
-    return [chunk_length(length, sp_size, rank) for rank in range(sp_size)]
+    """Every rank's chunk, as the split sizes of a collective over the whole sequence.
+
+    The last is written as what the others leave, ``length - start``: equal in value to
+    :func:`chunk_length`, but the list then adds up to ``length`` symbolically too. A gathered or
+    all-to-all'd sequence (whose size is the sum of the split sizes) is then ``length`` long, not
+    ``s//2 + (s+1)//2``, which Inductor cannot order against other strides when ``s`` is a
+    product of symbols (an image's ``H*W``)."""
+    if sp_size == 1:
+        return [length]
+    before = [chunk_length(length, sp_size, rank) for rank in range(sp_size - 1)]
+    return before + [length - chunk_start(length, sp_size, sp_size - 1)]
 
 
 def chunk_start(length: IntLike, sp_size: int, rank: int) -> IntLike:
