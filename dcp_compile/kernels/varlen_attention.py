@@ -64,6 +64,16 @@ def _longest_sequence(cu_seqlens: torch.Tensor, max_seqlen: int) -> int:
     return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
+def _on_kernel_device(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host ``cu_seqlens`` on the kernel's device without a host sync. A blocking copy from
+    pageable memory first waits for the stream's queued kernels, once per attention call, so the
+    CPU could not run ahead of the GPU; from pinned memory the copy is queued like a kernel (the
+    caching host allocator keeps the pinned block until the copy has run)."""
+    if cu_seqlens.device.type == "cpu" and device.type == "cuda":
+        return cu_seqlens.pin_memory().to(device, non_blocking=True)
+    return cu_seqlens.to(device)
+
+
 def _triton_inputs(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """The kernels index the feature dim with stride 1; token and head strides may be anything."""
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
@@ -82,7 +92,7 @@ def _varlen_attention_fwd(
             raise TypeError(f"the Triton varlen attention supports {_TRITON_DTYPES}, got {q.dtype}")
         kernels = triton_module(_TRITON_MODULE, q.device)
         q, k, v = _triton_inputs(q, k, v)
-        return kernels.forward(q, k, v, cu_seqlens.to(q.device), max_seqlen, causal, sm_scale)
+        return kernels.forward(q, k, v, _on_kernel_device(cu_seqlens, q.device), max_seqlen, causal, sm_scale)
     return reference.attention_forward(q, k, v, cu_seqlens, causal, sm_scale)
 
 
@@ -105,7 +115,7 @@ def _varlen_attention_bwd(
         kernels = triton_module(_TRITON_MODULE, q.device)
         grad_out, q, k, v, out = _triton_inputs(grad_out, q, k, v, out)
         return kernels.backward(
-            grad_out, q, k, v, out, lse, cu_seqlens.to(q.device), max_seqlen, causal, sm_scale
+            grad_out, q, k, v, out, lse, _on_kernel_device(cu_seqlens, q.device), max_seqlen, causal, sm_scale
         )
     return reference.attention_backward(grad_out, q, k, v, out, lse, cu_seqlens, causal, sm_scale)
 
