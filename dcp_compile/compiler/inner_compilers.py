@@ -266,19 +266,16 @@ def backward_without_inductor(graph: fx.GraphModule, record: VariantRecord, erro
     backward), keeping the Inductor forward.
 
     Inductor (torch <= 2.13) lowers a slice only when it can prove the bounds, and a bound that
-    mixes an unbacked size (text selected with ``nonzero``) with the last rank's chunk
-    ``S - (S + 1) // 2`` is not provable from value ranges: the backward of the model's own
-    ``cat([image chunk, selected text])`` (Mochi's joint attention) slices there. Plain
-    ``torch.compile`` with Inductor fails on Mochi's backward too (``expected [u2] to have been
-    codegen-ed``). Only a data-dependent guard error of a backward takes this path; the record
-    says so (``dcp.explain``) and a warning is logged."""
+    mixes an unbacked size (tokens selected with ``nonzero``) with a size value ranges cannot bound
+    is not provable. Mochi's last rank met this until the rank's own chunk became one division
+    (``sequence_chunks.chunk_length``); no zoo model meets it now. Only a data-dependent guard error
+    of a backward takes this path; the record says so (``dcp.explain``) and a warning is logged."""
     from functorch.compile import make_boxed_func
 
     reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
     record.inner_fallback = ("backward under aot_eager, forward under inductor: Inductor could not lower the "
                              f"backward on a size only the data decides ({reason}); a torch limit on unbacked "
-                             "sizes (a nonzero-selected segment, Mochi's prompt tokens), see the README's known "
-                             "limitations")
+                             "sizes (a nonzero-selected segment), see the known limitations")
     log.warning("dcp: %s variant %s runs its %s", record.debug_path or "a graph", record.variant, record.inner_fallback)
     return make_boxed_func(graph.forward)
 
