@@ -51,7 +51,11 @@ def with_invariant_divisions_opaque(simplify: Callable[[sympy.Expr, sympy.Expr, 
         if index.has(*kinds):
             index = index.replace(lambda e: isinstance(e, kinds) and not e.has(var), opaque)
         result = simplify(index, var, vec_length)
-        return result.xreplace({symbol: division for division, symbol in symbols.items()}) if symbols else result
+        # Newest first: a division of divisions was made opaque after the divisions inside it, so
+        # putting it back brings their symbols, which the older entries then put back.
+        for division, symbol in reversed(symbols.items()):
+            result = result.xreplace({symbol: division})
+        return result
 
     return simplified
 
