@@ -1223,11 +1223,18 @@ def compiled_run(model: nn.Module, compiled: Any, case: RealCase, tokens: int, g
     return {k: v.detach().clone() for k, v in flatten_outputs(outputs).items()}, grads
 
 
-def compare(expected: tuple[dict, dict], actual: tuple[dict, dict], rtol: float = RTOL, atol: float = ATOL) -> tuple[float, list[str]]:
-    """(max abs error over outputs and gradients, problems)."""
+def compare(expected: tuple[dict, dict], actual: tuple[dict, dict], rtol: float = RTOL, atol: float = ATOL,
+            reference64: tuple[dict, dict] | None = None) -> tuple[float, list[str]]:
+    """(max abs error over outputs and gradients, problems).
+
+    With ``reference64`` (the same eager run in float64), a tensor that ``allclose`` refuses still
+    passes when it is as close to float64 as eager float32 is: PyTorch's own accuracy rule for
+    Inductor (``torch._dynamo.utils.same`` with ``fp64_ref``: RMSE to float64 at most twice eager
+    float32's, plus ``tol / 10``). Inductor reorders float arithmetic (fused reductions), so an
+    Inductor build can differ from eager by more than ``rtol`` with or without dcp."""
     problems: list[str] = []
     worst = 0.0
-    for kind, want_all, got_all in (("output", expected[0], actual[0]), ("grad", expected[1], actual[1])):
+    for side_index, (kind, want_all, got_all) in enumerate((("output", expected[0], actual[0]), ("grad", expected[1], actual[1]))):
         for side, names in (("eager only", sorted(set(want_all) - set(got_all))), ("compiled only", sorted(set(got_all) - set(want_all)))):
             if names:
                 problems.append(f"{len(names)} {kind}(s) in {side}: {', '.join(names[:4])}{'...' if len(names) > 4 else ''}")
@@ -1250,12 +1257,36 @@ def compare(expected: tuple[dict, dict], actual: tuple[dict, dict], rtol: float 
             err = float(error.max()) if error.numel() else 0.0
             worst = max(worst, err)
             if not torch.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True):
+                if reference64 is not None and _as_close_as_eager(want, got, reference64[side_index].get(key), rtol):
+                    continue
                 bad.append((err, key, bool((got.isnan() & ~want.isnan()).any())))
         if bad:
             bad.sort(reverse=True)
             names = ", ".join(f"{key} ({'NaN' if nan else f'{err:.2g}'})" for err, key, nan in bad[:3])
-            problems.append(f"{len(bad)} {kind}(s) differ beyond rtol={rtol:g} atol={atol:g}: {names}{'...' if len(bad) > 3 else ''}")
+            rule = " and from float64 more than 2x eager float32" if reference64 is not None else ""
+            problems.append(f"{len(bad)} {kind}(s) differ beyond rtol={rtol:g} atol={atol:g}{rule}: "
+                            f"{names}{'...' if len(bad) > 3 else ''}")
     return worst, problems
+
+
+def _as_close_as_eager(eager: Tensor, compiled: Tensor, eager64: Tensor | None, tol: float) -> bool:
+    if eager64 is None or eager64.shape != eager.shape:
+        return False
+    from torch._dynamo.utils import same
+
+    return bool(same(eager, compiled, fp64_ref=eager64, tol=tol, log_error=lambda *args, **kwargs: None))
+
+
+def eager_run_float64(case: RealCase, tokens: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """:func:`eager_run` in float64 (model and floating inputs): the ground truth that Inductor's
+    float32 result is judged against when it differs from eager float32 beyond ``rtol``."""
+    model = case.build().double()
+    inputs, _ = case.make_inputs(tokens)
+    inputs = {k: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+    outputs = model(**inputs)
+    case.loss_of(outputs).backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return {k: v.detach().clone() for k, v in flatten_outputs(outputs).items()}, grads
 
 
 def _first_line(exc: BaseException) -> str:
@@ -1287,7 +1318,7 @@ def new_row(case: RealCase, tokens: int) -> dict[str, Any]:
     return {
         "model": case.name, "family": case.family, "library": case.library, "class": case.model_class,
         "requested": tokens, "tokens": None, "budget": case.gather_budget,
-        "parity_ok": None, "max_error": None, "parity_problems": [],
+        "parity_ok": None, "max_error": None, "parity_problems": [], "parity_rule": "allclose",
         "attention_sites": 0, "sites_covered": 0, "eager_sdpa_calls": None, "graph_sdpa_calls": None,
         "gathers": 0, "gather_reasons": {}, "fallbacks": [], "inner_fallbacks": [], "unsharded": [], "graphs": 0, "graph_ids": [],
         "summary_lines": [], "error": None, "error_where": None, "traceback": None,
@@ -1376,6 +1407,11 @@ def zoo_worker(rank: int, world_size: int, case_name: str, lengths: tuple[int, .
             actual = compiled_run(model, compiled, case, n)
             calls_seen.update((graph.graph_id, len(graph.dispatches)) for graph in record.graphs)
             row["max_error"], row["parity_problems"] = compare((outputs, grads), actual, rtol, atol)
+            if row["parity_problems"] and inner == "inductor":
+                stage = "float64 reference"
+                row["parity_rule"] = "float64 reference"
+                row["max_error"], row["parity_problems"] = compare((outputs, grads), actual, rtol, atol,
+                                                                   reference64=eager_run_float64(case, n))
             row["parity_ok"] = not row["parity_problems"]
             row["failures"] += [f"parity: {p}" for p in row["parity_problems"]]
         except Exception as exc:  # noqa: BLE001
@@ -1429,7 +1465,7 @@ def format_row(row: dict[str, Any]) -> str:
     if row["parity_ok"] is None:
         parity = "-"
     elif row["parity_ok"]:
-        parity = f"ok ({row['max_error']:.1e})"
+        parity = f"ok ({row['max_error']:.1e}{', as close to float64 as eager' if row.get('parity_rule') == 'float64 reference' else ''})"
     elif row["max_error"] is not None:
         parity = f"FAIL ({row['max_error']:.1e})"
     else:
