@@ -74,3 +74,15 @@ def test_inductor_parity_is_judged_by_torchs_float64_rule_only_where_allclose_re
     assert judged(reordered, with_reference=True) == []
     assert judged(wrong, with_reference=True)
     assert judged(wrong, with_reference=False)
+
+
+def test_a_zero_gradient_where_eager_has_none_matches_only_through_aot_autograd() -> None:
+    """HunyuanVideo 1.5 and LTX-2: the last block's text-stream parameters, whose output the loss
+    never reads, get zero gradients under AOTAutograd (plain ``torch.compile`` with ``aot_eager``
+    or Inductor too, checked on HunyuanVideo 1.5) and ``None`` in eager. A non-zero gradient there is still a failure."""
+    used = {"w": torch.ones(3)}
+    with_unused = ({}, dict(used, unused=torch.zeros(3)))
+    assert rm.compare(({}, used), with_unused, zero_grad_is_none=True)[1] == []
+    assert rm.compare(({}, used), with_unused)[1]  # under eager inner compilers it is still a difference
+    assert rm.compare(({}, used), ({}, dict(used, unused=torch.ones(3))), zero_grad_is_none=True)[1]
+    assert rm.compare(({}, used), ({}, {"w": torch.zeros(3)}), zero_grad_is_none=True)[1]  # zeros for a used one

@@ -1224,8 +1224,13 @@ def compiled_run(model: nn.Module, compiled: Any, case: RealCase, tokens: int, g
 
 
 def compare(expected: tuple[dict, dict], actual: tuple[dict, dict], rtol: float = RTOL, atol: float = ATOL,
-            reference64: tuple[dict, dict] | None = None) -> tuple[float, list[str]]:
+            reference64: tuple[dict, dict] | None = None, zero_grad_is_none: bool = False) -> tuple[float, list[str]]:
     """(max abs error over outputs and gradients, problems).
+
+    With ``zero_grad_is_none``, a gradient of zeros where eager has none matches: AOTAutograd (under
+    ``aot_eager`` and Inductor) gives a parameter whose output the loss never reads a zero gradient,
+    where eager autograd leaves ``None``; plain ``torch.compile`` (``aot_eager`` and Inductor) gives
+    the same zeros on HunyuanVideo 1.5, so it is not dcp's to match.
 
     With ``reference64`` (the same eager run in float64), a tensor that ``allclose`` refuses still
     passes when it is as close to float64 as eager float32 is: PyTorch's own accuracy rule for
@@ -1235,7 +1240,9 @@ def compare(expected: tuple[dict, dict], actual: tuple[dict, dict], rtol: float 
     problems: list[str] = []
     worst = 0.0
     for side_index, (kind, want_all, got_all) in enumerate((("output", expected[0], actual[0]), ("grad", expected[1], actual[1]))):
-        for side, names in (("eager only", sorted(set(want_all) - set(got_all))), ("compiled only", sorted(set(got_all) - set(want_all)))):
+        compiled_only = sorted(key for key in set(got_all) - set(want_all)
+                               if not (zero_grad_is_none and kind == "grad" and not got_all[key].any()))
+        for side, names in (("eager only", sorted(set(want_all) - set(got_all))), ("compiled only", compiled_only)):
             if names:
                 problems.append(f"{len(names)} {kind}(s) in {side}: {', '.join(names[:4])}{'...' if len(names) > 4 else ''}")
         bad = []
@@ -1406,12 +1413,15 @@ def zoo_worker(rank: int, world_size: int, case_name: str, lengths: tuple[int, .
             stage = "compiled forward+backward"
             actual = compiled_run(model, compiled, case, n)
             calls_seen.update((graph.graph_id, len(graph.dispatches)) for graph in record.graphs)
-            row["max_error"], row["parity_problems"] = compare((outputs, grads), actual, rtol, atol)
+            through_aot_autograd = inner in ("inductor", "aot_eager")
+            row["max_error"], row["parity_problems"] = compare((outputs, grads), actual, rtol, atol,
+                                                               zero_grad_is_none=through_aot_autograd)
             if row["parity_problems"] and inner == "inductor":
                 stage = "float64 reference"
                 row["parity_rule"] = "float64 reference"
                 row["max_error"], row["parity_problems"] = compare((outputs, grads), actual, rtol, atol,
-                                                                   reference64=eager_run_float64(case, n))
+                                                                   reference64=eager_run_float64(case, n),
+                                                                   zero_grad_is_none=True)
             row["parity_ok"] = not row["parity_problems"]
             row["failures"] += [f"parity: {p}" for p in row["parity_problems"]]
         except Exception as exc:  # noqa: BLE001
