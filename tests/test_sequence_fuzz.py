@@ -15,12 +15,11 @@ the mechanism. The slow tier draws many more (``DCP_FUZZ_PROGRAMS``, default 400
 draws another set) at SP 2 and 4, all in one process world per SP size; ``DCP_FUZZ_LOG`` appends a
 line per program as it finishes, and ``python tests/test_sequence_fuzz.py OUT.md LOG...`` tables them.
 
-Programs run so far (``benchmarks/results/sequence_fuzz.md``, logs beside it): 1,126 logged at SP 2
-and 700 at SP 4 (2026-12-05), after 227 at SP 2 and 20 at SP 4 before; 0 silently wrong. 25 raised:
-16 were one analysis bug (a fold into the batch followed by any op; fixed, two are REGRESSIONS), 9 are
-``resample`` at length 1, where eager itself raised (a defect of that op's program: it now resamples to
-``max(1, n // 2)`` positions, a REGRESSION).
-CPU per program, rank 0, process clock: ~1.3 s at SP 2 before this session's cuts (dynamo's trace
+Programs run so far: ``benchmarks/results/sequence_fuzz.md`` (a row per log beside it, written by
+this file's ``write_results``). Shrunk failures of the slow tier are REGRESSIONS: a fold into the
+batch followed by any op (an analysis bug, fixed) and ``resample`` at length 1 (eager itself raised:
+the program now resamples to ``max(1, n // 2)`` positions).
+CPU per program, rank 0, process clock: ~1.3 s at SP 2 before the cuts of 2026-12-05 (dynamo's trace
 ~0.48 s, dcp's ATen capture 0.11, shard_sequence's re-trace 0.27-0.31, insert_all_to_all 0.18-0.21,
 dcp.explain's graph snapshots 0.13, eager reference and the checked runs 0.05), ~0.8-1.0 s after
 (the re-traces without the fake-tensor dispatch cache, alike attention sites traced once, records

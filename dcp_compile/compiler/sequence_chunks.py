@@ -33,8 +33,6 @@ def chunk_lengths(length: IntLike, sp_size: int) -> list[IntLike]:
     all-to-all'd sequence (whose size is the sum of the split sizes) is then ``length`` long, not
     ``s//2 + (s+1)//2``, which Inductor cannot order against other strides when ``s`` is a
     product of symbols (an image's ``H*W``)."""
-    if sp_size == 1:
-        return [length]
     before = [chunk_length(length, sp_size, rank) for rank in range(sp_size - 1)]
     return before + [length - chunk_start(length, sp_size, sp_size - 1)]
 
