@@ -132,6 +132,7 @@ def _joint_worker(rank: int, world_size: int, lengths: tuple[int, ...], inner: s
             "grad_error": max((model.get_parameter(n).grad - g).abs().max().item() for n, g in eager_grads.items()),
             "sites": [(v.sp_size, len(v.sharded_sites), v.attention_sites) for v in variants],
             "fallbacks": [v.inner_fallback for v in variants if v.inner_fallback],
+            "gathers": [str(g) for v in variants for g in v.gathers],
         })
     return results
 
@@ -144,7 +145,7 @@ def test_joint_attention_over_selected_text_traced_by_aot_autograd_on_every_rank
     for per_length in run_in_process_world(_joint_worker, 2, (12, 7), "aot_eager", timeout=900):
         for result in per_length:
             assert result["sites"] == [(2, 2, 2)], result  # both samples' joint attentions sharded
-            assert result["fallbacks"] == [], result
+            assert result["fallbacks"] == [] and result["gathers"] == [], result
             assert result["output_error"] < 1e-5 and result["grad_error"] < 1e-5, result
 
 
@@ -160,5 +161,5 @@ def test_joint_attention_over_selected_text_compiles_with_inductor():
     for per_length in outcomes:
         for result in per_length:
             assert result["sites"] == [(2, 2, 2)], result
-            assert result["fallbacks"] == [], result
+            assert result["fallbacks"] == [] and result["gathers"] == [], result
             assert result["output_error"] < 1e-5 and result["grad_error"] < 1e-5, result
