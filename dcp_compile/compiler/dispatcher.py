@@ -30,6 +30,7 @@ from dcp_compile.runtime.consistency import PendingCheck, SettledAfterCall, chec
 from dcp_compile.runtime.graph_parameters import note_graph_call, note_graph_outputs
 from dcp_compile.runtime.process_groups import current_world, sp_group
 from dcp_compile.compiler.record import GraphRecord, VariantRecord
+from dcp_compile.compiler.regions import INNER_REGION_COMPILERS, REGIONAL_POLICIES, describe_regions, regional_module
 from dcp_compile.compiler.self_check import check_first_call
 from dcp_compile.compiler.variant_selection import BucketTable, active_sequence_boundaries, active_variant
 from dcp_compile.compiler.passes.use_varlen_attention import choose_packed_attention, packed_sites
@@ -216,11 +217,27 @@ class Dispatcher:
         self.added_inputs[variant] = tuple(filter(None, (p.added_input(ctx) for p in passes)))
         variant_record.graph = gm
         variant_record.collectives = count_collectives(gm)
-        inner = INNER_COMPILERS[self.options.inner]
-        with floats_already_specialized(self.fake_mode), compile_stage(f"{self.options.inner}"):
-            compiled = inner(gm, ctx.fake_inputs, variant_record)
+        compiled = self.regional(gm, variant, variant_record) if self.options.regions else None
+        if compiled is None:
+            inner = INNER_COMPILERS[self.options.inner]
+            with floats_already_specialized(self.fake_mode), compile_stage(f"{self.options.inner}"):
+                compiled = inner(gm, ctx.fake_inputs, variant_record)
         self.compiled[(variant, scalars)] = compiled
         return compiled
+
+
+    def regional(self, gm: fx.GraphModule, variant: Variant, variant_record: VariantRecord) -> Callable | None:
+        """The variant as compiled regions shared with other variants (``options={"regions": True}``),
+        or ``None`` where regions do not apply (the record says why)."""
+        if self.options.inner not in INNER_REGION_COMPILERS:
+            variant_record.regions = f"not used: inner={self.options.inner} compiles nothing to share"
+            return None
+        if variant.recompute not in REGIONAL_POLICIES:
+            variant_record.regions = f"not used: recompute={variant.recompute} picks ops inside regions"
+            return None
+        parent, plan = regional_module(gm, self.options.inner, variant.recompute)
+        variant_record.regions = describe_regions(plan)
+        return parent
 
 
 # dcp's own ops that communicate inside (the halo exchange of a token grid's window).

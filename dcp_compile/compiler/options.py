@@ -22,6 +22,7 @@ class DCPOptions:
     debug_dir: str | None = None
     check: bool = False  # compare each variant's first call with the unsharded graph (dcp.check's light form)
     check_ranks: bool = True  # the SP group agrees on variant and inputs before each call (runtime/consistency.py)
+    regions: bool = False  # compile token-local regions once for every variant (compiler/regions.py)
 
     @property
     def valid_names(self) -> list[str]:
@@ -79,4 +80,5 @@ def parse_options(options: dict[str, Any] | None) -> DCPOptions:
         debug_dir=options.get("debug_dir"),
         check=bool(options.get("check", False)),
         check_ranks=bool(options.get("check_ranks", True)),
+        regions=bool(options.get("regions", False)),
     )

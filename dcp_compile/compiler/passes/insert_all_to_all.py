@@ -21,6 +21,9 @@ from dcp_compile.compiler.ulysses import plan_site, ulysses_attention
 
 log = logging.getLogger(__name__)
 SHARDED_ATTENTION = torch.ops.dcp.sharded_attention.default
+# Node meta naming the site whose lowering (layouts, all-to-alls, attention) a node belongs to:
+# regional compilation runs a lowering as it is and compiles only what lies between lowerings.
+LOWERED_SITE = "dcp_lowered_site"
 
 
 _MARKER_PARAMETERS = list(inspect.signature(sharded_attention_op.sharded_attention._init_fn).parameters)
@@ -55,7 +58,12 @@ def _lower_marker(gm: fx.GraphModule, marker: fx.Node, ctx: PassContext,
         subgraph = retrace(lower, [node.meta["val"] for node in inputs], ctx.fake_mode)
         if signature is not None:
             traced[signature] = subgraph
+    previous = marker.prev
     result = copy_traced(gm, marker, subgraph, inputs, prefix=f"_dcp_{marker.name}", stamp=site_meta(marker))
+    node = previous.next
+    while node is not marker:  # the copy sits right before the marker
+        node.meta[LOWERED_SITE] = marker.name
+        node = node.next
     marker.replace_all_uses_with(result)
     gm.graph.erase_node(marker)
     _record_layout(marker.name, values, ctx)

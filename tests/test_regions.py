@@ -1,0 +1,121 @@
+"""Regional compilation (``options={"regions": True}``): every variant at parity on real gloo ranks,
+sharded, and token-local code compiled once for every variant that repeats it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import dcp_compile as dcp
+from dcp_compile.compiler.regions import REGION_CACHE, canonical_code, canonical_views, compile_region
+from dcp_compile.testing.process_world import run_in_process_world
+from dcp_compile.testing.sharding_checks import sharding_problems
+from model_zoo import ZOO
+from parity import compare, compiled_run, eager_reference
+
+# (variant, length): SP sizes and recompute policies in the order a planner might meet them;
+# selective is compiled whole (it picks ops inside regions) and must still be right beside them.
+VARIANTS = ((dcp.Variant(2), 19), (dcp.Variant(1), 14), (dcp.Variant(2, "full"), 23),
+            (dcp.Variant(2, "attention"), 17), (dcp.Variant(1, "attention"), 13), (dcp.Variant(1, "full"), 15),
+            (dcp.Variant(2, "selective"), 21))
+
+
+def _parity_worker(rank, world_size, inner, rtol, atol):
+    REGION_CACHE.clear()
+    case = ZOO["gpt"]
+    model = case.build()
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": inner, "regions": True})
+    problems, compiles = [], {}
+    for variant, length in VARIANTS:
+        with dcp.use(variant):
+            actual = compiled_run(model, compiled, case, case.make_inputs(length), reduce=variant.sp_size > 1)
+        problems += compare(f"gpt-regions-{variant}", length, eager_reference(case, length), actual, rtol=rtol, atol=atol)
+        compiles[str(variant)] = REGION_CACHE.compiles
+    with dcp.use(dcp.Variant(2)):
+        record = dcp.explain(compiled, **case.make_inputs(30))
+    problems += sharding_problems(record, 0)
+    regions = {str(variant): variant_record.regions for variant_record in record[0].variants.values()
+               for variant in [variant_record.variant]}
+    if problems:
+        raise AssertionError("\n".join(problems))
+    return compiles, regions
+
+
+def _check(results):
+    for compiles, regions in results:
+        # The recompute variants of an SP size compile nothing: recomputation is applied around the
+        # regions the SP size's first variant compiled.
+        assert compiles["sp=2/recompute=full"] == compiles["sp=1/recompute=none"]
+        assert compiles["sp=2/recompute=attention"] == compiles["sp=1/recompute=none"]
+        assert compiles["sp=1/recompute=full"] == compiles["sp=1/recompute=none"]
+        # SP 1 shares the transformer block's region with SP 2: fewer new compiles than SP 2 made.
+        assert compiles["sp=1/recompute=none"] - compiles["sp=2/recompute=none"] < compiles["sp=2/recompute=none"]
+        assert "compiled region" in regions["sp=2/recompute=none"]
+        assert regions["sp=2/recompute=selective"].startswith("not used: recompute=selective")
+
+
+def test_regions_keep_parity_on_two_ranks():
+    _check(run_in_process_world(_parity_worker, 2, "aot_eager", 1e-5, 1e-5, timeout=900))
+
+
+@pytest.mark.slow
+def test_regions_keep_parity_on_two_ranks_with_inductor():
+    _check(run_in_process_world(_parity_worker, 2, "inductor", 1e-4, 1e-5, timeout=1800))
+
+
+# --- one region, no world -----------------------------------------------------------------------
+
+def _traced(function, *inputs) -> fx.GraphModule:
+    return make_fx(function, tracing_mode="symbolic")(*inputs)
+
+
+def _traced_tokens(function, x) -> fx.GraphModule:
+    """Traced as dcp's variants are: batch and tokens symbolic, the hidden size static."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from dcp_compile.compiler.graph_capture import retrace
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    dynamic = [DimDynamic.DYNAMIC, DimDynamic.DYNAMIC, DimDynamic.STATIC]
+    fake = mode.from_tensor(x, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dynamic,
+                                                                         constraint_sizes=[None] * 3))
+    return retrace(function, [fake], mode)
+
+
+def test_two_spellings_of_one_view_are_one_code():
+    """dynamo's trace writes ``view(x, [b, s, -1, 8])``, dcp's sharded trace ``view(x, [b, -1, 4, 8])``."""
+    x = torch.randn(2, 6, 32)
+
+    def heads_inferred(x):
+        return (x.view(x.shape[0], x.shape[1], -1, 8) * 2,)
+
+    def tokens_inferred(x):
+        return (x.view(x.shape[0], -1, 4, 8) * 2,)
+
+    first, second = _traced_tokens(heads_inferred, x), _traced_tokens(tokens_inferred, x)
+    assert canonical_code(first) != canonical_code(second)
+    canonical_views(first), canonical_views(second)
+    first.graph.eliminate_dead_code(), second.graph.eliminate_dead_code()
+    assert canonical_code(first) == canonical_code(second)
+
+
+def test_a_region_is_reused_where_its_guards_hold_and_compiled_again_where_they_do_not():
+    REGION_CACHE.clear()
+
+    def scale_rows(x):
+        return (x.view(x.shape[0], -1) * 3 + 1,)
+
+    region = _traced(scale_rows, torch.randn(4, 5))
+    first = torch.randn(4, 5)
+    entry = compile_region(region, (first,), "aot_eager")
+    torch.testing.assert_close(entry.compiled(first)[0], first * 3 + 1)
+    other_length = torch.randn(7, 5)
+    assert compile_region(region, (other_length,), "aot_eager") is entry  # a size symbol: reused
+    assert REGION_CACHE.compiles == 1 and REGION_CACHE.reuses == 1
+    transposed = torch.randn(5, 4).t()  # same sizes, other strides: the compile's stride guards fail
+    again = compile_region(region, (transposed,), "aot_eager")
+    assert again is not entry and REGION_CACHE.compiles == 2
+    torch.testing.assert_close(again.compiled(transposed)[0], transposed * 3 + 1)
