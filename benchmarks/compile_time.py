@@ -177,7 +177,7 @@ class StageClock:
         return seconds, {stage: round(value, 2) for stage, value in stages.items()}
 
 
-def worker(model_name: str, mode: str, inner: str) -> dict:
+def worker(model_name: str, mode: str, inner: str, regions: bool = False) -> dict:
     """One configuration in this process; returns the timings."""
     import torch
 
@@ -212,14 +212,17 @@ def worker(model_name: str, mode: str, inner: str) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": inner})
+        compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": inner, "regions": regions})
+        result["regions"] = regions
+        from dcp_compile.compiler.regions import REGION_CACHE
         variants = []
         for sp_size, recompute in DCP_VARIANTS:
             with dcp.use(dcp.Variant(sp_size, recompute)):
                 seconds, stages = clock.timed(lambda: _step(compiled, inputs, case.loss_of))
             variants.append({"variant": f"sp={sp_size}/recompute={recompute}", "first_call_s": seconds,
                              "first_call_cpu_s": clock.cpu, "first_call_cxx_cpu_s": clock.compiler_cpu,
-                             "first_call_cpp_kernels": clock.cpp_kernels, "stages": stages, "caches": clock.cache_hits})
+                             "first_call_cpp_kernels": clock.cpp_kernels, "stages": stages, "caches": clock.cache_hits,
+                             "regions_compiled": REGION_CACHE.compiles, "regions_reused": REGION_CACHE.reuses})
         with dcp.use(dcp.Variant(*DCP_VARIANTS[0])):
             result["next_step_s"] = _step(compiled, later_inputs, case.loss_of)
         result["first_step_s"] = variants[0]["first_call_s"]
@@ -233,12 +236,12 @@ def worker(model_name: str, mode: str, inner: str) -> dict:
     return result
 
 
-def run_isolated(model_name: str, mode: str, inner: str, timeout: float) -> dict:
+def run_isolated(model_name: str, mode: str, inner: str, timeout: float, regions: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="compile_time_") as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton",
                "TORCHINDUCTOR_COMPILE_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        command = [sys.executable, __file__, "--worker", model_name, mode, inner]
+        command = [sys.executable, __file__, "--worker", model_name, mode, inner] + (["--regions"] if regions else [])
         started = time.perf_counter()
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
@@ -256,7 +259,8 @@ def run_isolated(model_name: str, mode: str, inner: str, timeout: float) -> dict
 def markdown(results: list[dict], machine: str) -> str:
     loads = [r["load_average_1m"] for r in results if "load_average_1m" in r]
     lines = [
-        "# Time to the first step: dcp vs plain torch.compile",
+        "# Time to the first step: dcp vs plain torch.compile"
+        + (" (dcp with regional compilation, `options={'regions': True}`)" if any(r.get("regions") for r in results) else ""),
         "",
         f"**Measured** on {machine}, torch {results[0].get('torch', '?')}, by `benchmarks/compile_time.py` "
         "(each configuration in a fresh process with a cold Inductor/Triton cache; dcp on a one-process "
@@ -372,9 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
     parser.add_argument("--out", type=Path, default=None, help="write the Markdown report here")
     parser.add_argument("--worker", nargs=3, metavar=("MODEL", "MODE", "INNER"), help=argparse.SUPPRESS)
+    parser.add_argument("--regions", action="store_true",
+                        help="dcp with options={'regions': True} (compiler/regions.py): token-local regions compiled "
+                             "once for every variant")
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(*args.worker)))
+        print(json.dumps(worker(*args.worker, regions=args.regions)))
         return 0
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs visible ({platform.node()})"
     results = []
@@ -384,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     configurations = [(run, model_name, inner, mode) for run in runs for model_name in args.models
                       for inner in args.inner for mode in (("plain", "dcp") if run % 2 == 0 else ("dcp", "plain"))]
     for run, model_name, inner, mode in configurations:
-        result = run_isolated(model_name, mode, inner, args.timeout)
+        result = run_isolated(model_name, mode, inner, args.timeout, regions=args.regions and mode == "dcp")
         result["pass"] = run
         print(json.dumps(result), flush=True)
         results.append(result)
