@@ -172,8 +172,7 @@ def fresh_inputs(traced: list[Any], args: tuple) -> FreshInputs:
             if not isinstance(value, torch.Tensor):
                 raise UnsupportedRegion("a tensor input without its traced value")
             sizes = [_in_fresh(shape_env, symbols, size, int(actual)) for size, actual in zip(value.shape, arg.shape)]
-            strides = [_in_fresh(shape_env, symbols, stride, int(actual))
-                       for stride, actual in zip(value.stride(), arg.stride())]
+            strides = _fresh_strides(shape_env, symbols, value, arg, sizes)
             with fake_mode:
                 fake = torch.empty_strided(sizes, strides, dtype=arg.dtype, device=arg.device)
             fresh.append(fake.requires_grad_(True) if arg.requires_grad else fake)
@@ -184,6 +183,24 @@ def fresh_inputs(traced: list[Any], args: tuple) -> FreshInputs:
         else:
             fresh.append(arg)
     return FreshInputs(fake_mode, fresh)
+
+
+def _fresh_strides(shape_env: Any, symbols: dict, value: torch.Tensor, arg: torch.Tensor, sizes: list) -> list:
+    """The strides ``arg`` has at run time, in the fresh symbols: the traced ones where they match
+    (a kernel may lay its output out otherwise than its fake did), else ``arg``'s dense order."""
+    traced = [stride.node.hint if isinstance(stride, torch.SymInt) else stride for stride in value.stride()]
+    if list(traced) == list(arg.stride()):
+        return [_in_fresh(shape_env, symbols, stride, int(actual)) for stride, actual in zip(value.stride(), arg.stride())]
+    order = sorted(range(arg.dim()), key=lambda dim: (arg.stride(dim), arg.shape[dim]))  # innermost first
+    strides: list[Any] = [0] * arg.dim()
+    running: Any = 1
+    for dim in order:
+        strides[dim] = running
+        running = running * sizes[dim]
+    if [int(getattr(stride, "node", None).hint) if isinstance(stride, torch.SymInt) else int(stride)
+            for stride in strides] != list(arg.stride()):
+        raise UnsupportedRegion(f"an input with strides {tuple(arg.stride())} that are not dense")
+    return strides
 
 
 def _size_source(source: Any, dim: int) -> Any:

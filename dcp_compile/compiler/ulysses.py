@@ -104,8 +104,12 @@ def heads_to_sequence(heads: torch.Tensor, num_heads: int, local: Any, lengths: 
         return unpack_from_heads(received.view(sp_size, local, batch, per_rank, dim), num_heads)
     send = heads.permute(2, 0, 1, 3)
     received = collectives.all_to_all(send, [local] * sp_size, lengths, group)
-    out = received.view(sp_size, local, batch, per_rank, dim).permute(2, 0, 3, 1, 4)
-    out = out.reshape(batch, sp_size * per_rank, local, dim)
+    # [B, S_r, H, D] in memory, seen as [B, H, S_r, D]: the layout flash attention gives its output
+    # (on CPU and CUDA), so that what follows attention sees the same strides at every SP size
+    # (regional compilation shares its compiled code across them), and the usual
+    # ``out.transpose(1, 2).contiguous()`` after attention copies nothing. One copy, as before.
+    out = received.view(sp_size, local, batch, per_rank, dim).permute(2, 1, 0, 3, 4)
+    out = out.reshape(batch, local, sp_size * per_rank, dim).transpose(1, 2)
     return out if out.shape[1] == num_heads else out[:, :num_heads]
 
 
