@@ -59,9 +59,9 @@ def _mismatches(where, model, loss, expected_loss, expected_grads, summed_over_w
     return problems
 
 
-def _packed_worker(rank, world_size, variants, packings=PACKINGS):
+def _packed_worker(rank, world_size, variants, packings=PACKINGS, options=None):
     model = _model()
-    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "aot_eager"})
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options=options or {"inner": "aot_eager"})
     problems = []
     for index, lengths in enumerate(packings):
         sequences = _sequences(lengths, seed=index)

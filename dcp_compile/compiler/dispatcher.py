@@ -235,7 +235,7 @@ class Dispatcher:
         if variant.recompute not in REGIONAL_POLICIES:
             variant_record.regions = f"not used: recompute={variant.recompute} picks ops inside regions"
             return None
-        parent, plan = regional_module(gm, self.options.inner, variant.recompute)
+        parent, plan = regional_module(gm, self.options.inner, variant.recompute, variant_record.uncompiled_regions)
         variant_record.regions = describe_regions(plan)
         return parent
 

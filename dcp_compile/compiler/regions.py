@@ -351,14 +351,15 @@ INNER_REGION_COMPILERS: dict[str, Callable[[fx.GraphModule, list[Any]], Callable
 class Region(torch.nn.Module):
     """One region of a variant, called by the parent graph; compiled at its first call."""
 
-    def __init__(self, graph: fx.GraphModule, kind: RegionKind, inner: str, recomputed: bool):
+    def __init__(self, graph: fx.GraphModule, kind: RegionKind, inner: str, recomputed: bool,
+                 uncompiled: list[str] | None = None):
         super().__init__()
         self.graph_module = graph
         self.kind = kind
         self.inner = inner
         self.recomputed = recomputed
         self.compiled: list[GuardedCompile] = []
-        self.uncompiled: str | None = None  # why this region runs as the ATen graph it is
+        self.uncompiled = uncompiled if uncompiled is not None else []  # the variant record's list
 
     def run(self, *args: Any) -> Any:
         if self.kind is not RegionKind.COMPILED:
@@ -371,7 +372,7 @@ class Region(torch.nn.Module):
                 entry = compile_region(self.graph_module, args, self.inner)
         except UnsupportedRegion as reason:
             log.warning("dcp: a region runs uncompiled (%s); the rest of the variant is compiled", reason)
-            self.uncompiled = str(reason)
+            self.uncompiled.append(str(reason))
             entry = GuardedCompile(None, self.graph_module)
         self.compiled.append(entry)
         return entry.compiled(*args)
@@ -475,8 +476,10 @@ def drop_unused_inputs(parent: fx.GraphModule, name: str) -> None:
     parent.recompile()
 
 
-def regional_module(gm: fx.GraphModule, inner: str, recompute: RecomputePolicy) -> tuple[fx.GraphModule, RegionPlan]:
-    """The variant's graph as a parent of ``Region`` modules (compiled lazily, at their first call)."""
+def regional_module(gm: fx.GraphModule, inner: str, recompute: RecomputePolicy,
+                    uncompiled: list[str] | None = None) -> tuple[fx.GraphModule, RegionPlan]:
+    """The variant's graph as a parent of ``Region`` modules (compiled lazily, at their first call);
+    a region that cannot be compiled says why in ``uncompiled`` (the variant record's list)."""
     if recompute not in REGIONAL_POLICIES:
         raise UnsupportedRegion(f"recompute={recompute} picks ops inside regions")
     started = time.perf_counter()
@@ -487,7 +490,7 @@ def regional_module(gm: fx.GraphModule, inner: str, recompute: RecomputePolicy) 
     for name, kind in plan.kinds.items():
         recomputed = (recompute is RecomputePolicy.FULL and kind is not RegionKind.EXCHANGE) or (
             recompute is RecomputePolicy.ATTENTION and kind is RegionKind.ATTENTION)
-        setattr(plan.parent, name, Region(getattr(plan.parent, name), kind, inner, recomputed))
+        setattr(plan.parent, name, Region(getattr(plan.parent, name), kind, inner, recomputed, uncompiled))
     log.debug("dcp: split into %d regions in %.2fs", len(plan.kinds), time.perf_counter() - started)
     return plan.parent, plan
 
