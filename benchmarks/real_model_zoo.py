@@ -137,6 +137,17 @@ def mechanisms(by_case: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str,
     return [(kind, mechanism, sorted(cases)) for (kind, mechanism), cases in ordered]
 
 
+REGIONS_OPTION = ', "regions": True'
+
+
+def _flags(meta: dict[str, Any]) -> str:
+    """The command-line flags of a run other than the default one (and where it writes)."""
+    if meta.get("inner", "eager") == "eager" and not meta.get("regions"):
+        return ""
+    return (f" --inner {meta.get('inner', 'eager')}" + (" --regions" if meta.get("regions") else "")
+            + f" --out benchmarks/results/{meta.get('out_name', 'real_model_zoo.md')}")
+
+
 def render(by_case: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str:
     all_rows = [row for rows in by_case.values() for row in rows]
     total = rm.totals(all_rows) if all_rows else {}
@@ -144,15 +155,17 @@ def render(by_case: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> st
         "# Real-model zoo: sharding and parity on real diffusers / transformers models",
         "",
         f"Library: {meta.get('library', '?')}. Machine: {meta.get('machine', '?')}. Run: {meta.get('date', '?')}, "
-        f"world size {meta.get('world_size', 2)} (gloo), inner compiler `eager`, fp32, parity rtol = atol = {rm.RTOL:g}.",
+        f"world size {meta.get('world_size', 2)} (gloo), inner compiler `{meta.get('inner', 'eager')}`"
+        + (", regional compilation (`\"regions\": True`)" if meta.get("regions") else "")
+        + f", fp32, parity rtol = atol = {rm.RTOL:g}.",
         "",
-        ("Regenerate: `PYTHONPATH=. python benchmarks/real_model_zoo.py` (`--quick` for the cases not marked slow;"
-         " `--render` rebuilds this file from `real_model_zoo.json`)." if meta.get("world_size", 2) != 1 else
+        (f"Regenerate: `PYTHONPATH=. python benchmarks/real_model_zoo.py{_flags(meta)}` (`--quick` for the cases not "
+         "marked slow; `--render` rebuilds this file from its JSON)." if meta.get("world_size", 2) != 1 else
          "Regenerate: `PYTHONPATH=. python benchmarks/real_model_zoo.py --world-size 1 --out "
          "benchmarks/results/real_model_zoo_sp1.md`."),
         "",
-        "Each case is compiled once (`torch.compile(model, backend=\"dcp\", dynamic=True, options={\"inner\": \"eager\", "
-        f"\"sp_size\": {meta.get('world_size', 2)}}})`) and run at an odd and an even token count (image/video DiTs: patches after patchify; ViT: "
+        f"Each case is compiled once (`torch.compile(model, backend=\"dcp\", dynamic=True, options={{\"inner\": \"{meta.get('inner', 'eager')}\", "
+        f"\"sp_size\": {meta.get('world_size', 2)}{REGIONS_OPTION if meta.get('regions') else ''}}})`) and run at an odd and an even token count (image/video DiTs: patches after patchify; ViT: "
         "patches + CLS). A case passes when, for every SP>1 variant with attention, nothing fell back to running the "
         "whole graph unsharded, every attention site ran sharded, the mid-graph gathers stay within the case's budget "
         "(0 for LMs, encoders and token-in/token-out DiTs; 1 for the unpatchify of a latent-in DiT; stated per case in "
@@ -204,11 +217,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "real_model_zoo.md")
     parser.add_argument("--resume", action="store_true", help="keep the cases already in the JSON next to --out")
     parser.add_argument("--render", action="store_true", help="only rebuild the markdown from the JSON")
+    parser.add_argument("--inner", default="eager", choices=["eager", "aot_eager", "inductor"],
+                        help="the inner compiler (default %(default)s)")
+    parser.add_argument("--regions", action="store_true", help="options={'regions': True} (regional compilation)")
     args = parser.parse_args()
 
     json_path = args.out.with_suffix(".json")
     by_case: dict[str, list[dict[str, Any]]] = {}
     meta = {"library": library_version(), "machine": machine(), "world_size": args.world_size,
+            "inner": args.inner, "regions": args.regions, "out_name": args.out.name,
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
     if (args.resume or args.render) and json_path.exists():
         saved = json.loads(json_path.read_text())
@@ -230,7 +247,8 @@ def main() -> None:
     start = time.perf_counter()
     for index, name in enumerate(todo, 1):
         case_start = time.perf_counter()
-        rows = rm.run_case(name, world_size=args.world_size, timeout=args.timeout)
+        rows = rm.run_case(name, world_size=args.world_size, timeout=args.timeout, inner=args.inner,
+                           regions=args.regions)
         for row in rows:  # keep the JSON readable: the head of each traceback is enough to find it
             if row.get("traceback"):
                 row["traceback"] = row["traceback"][-3000:]

@@ -172,9 +172,13 @@ def fresh_inputs(traced: list[Any], args: tuple) -> FreshInputs:
             if not isinstance(value, torch.Tensor):
                 raise UnsupportedRegion("a tensor input without its traced value")
             sizes = [_in_fresh(shape_env, symbols, size, int(actual)) for size, actual in zip(value.shape, arg.shape)]
-            strides = _fresh_strides(shape_env, symbols, value, arg, sizes)
+            strides, offset = _fresh_layout(shape_env, symbols, value, arg, sizes, LocalSource(f"t{index}"))
             with fake_mode:
-                fake = torch.empty_strided(sizes, strides, dtype=arg.dtype, device=arg.device)
+                if isinstance(offset, int) and offset == 0:
+                    fake = torch.empty_strided(sizes, strides, dtype=arg.dtype, device=arg.device)
+                else:  # a view into a larger buffer (a narrowed chunk): keep its offset, or its guard fails
+                    extent = offset + 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides))
+                    fake = torch.empty(extent, dtype=arg.dtype, device=arg.device).as_strided(sizes, strides, offset)
             fresh.append(fake.requires_grad_(True) if arg.requires_grad else fake)
         elif isinstance(arg, int) and isinstance(value, torch.SymInt):
             fresh.append(_in_fresh(shape_env, symbols, value, arg))
@@ -185,22 +189,47 @@ def fresh_inputs(traced: list[Any], args: tuple) -> FreshInputs:
     return FreshInputs(fake_mode, fresh)
 
 
-def _fresh_strides(shape_env: Any, symbols: dict, value: torch.Tensor, arg: torch.Tensor, sizes: list) -> list:
-    """The strides ``arg`` has at run time, in the fresh symbols: the traced ones where they match
-    (a kernel may lay its output out otherwise than its fake did), else ``arg``'s dense order."""
-    traced = [stride.node.hint if isinstance(stride, torch.SymInt) else stride for stride in value.stride()]
-    if list(traced) == list(arg.stride()):
-        return [_in_fresh(shape_env, symbols, stride, int(actual)) for stride, actual in zip(value.stride(), arg.stride())]
-    order = sorted(range(arg.dim()), key=lambda dim: (arg.stride(dim), arg.shape[dim]))  # innermost first
-    strides: list[Any] = [0] * arg.dim()
-    running: Any = 1
-    for dim in order:
-        strides[dim] = running
-        running = running * sizes[dim]
-    if [int(getattr(stride, "node", None).hint) if isinstance(stride, torch.SymInt) else int(stride)
-            for stride in strides] != list(arg.stride()):
-        raise UnsupportedRegion(f"an input with strides {tuple(arg.stride())} that are not dense")
-    return strides
+def _fresh_layout(shape_env: Any, symbols: dict, value: torch.Tensor, arg: torch.Tensor, sizes: list,
+                  source: Any) -> tuple[list, Any]:
+    """The strides and storage offset ``arg`` has at run time, in the fresh symbols: the traced
+    expressions where they give ``arg``'s values (a kernel may lay its output out otherwise than its
+    fake did: then ``arg``'s dense order), and a symbol of their own where no size writes them."""
+    from torch._dynamo.source import TensorProperty, TensorPropertySource
+
+    def fresh(traced: Any, actual: int, where: Any) -> Any:
+        try:
+            return _in_fresh(shape_env, symbols, traced, actual)
+        except UnsupportedRegion:
+            symbol = shape_env.create_symbol(actual, where, do_not_specialize_zero_one=True)
+            symbols[traced.node.expr] = symbol
+            return shape_env.create_symintnode(symbol, hint=actual)
+
+    def hint(size: Any) -> int:
+        return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+    if [hint(stride) for stride in value.stride()] == list(arg.stride()):
+        strides = [fresh(stride, actual, TensorPropertySource(source, TensorProperty.STRIDE, dim))
+                   for dim, (stride, actual) in enumerate(zip(value.stride(), arg.stride()))]
+    else:
+        order = sorted(range(arg.dim()), key=lambda dim: (arg.stride(dim), arg.shape[dim]))  # innermost first
+        strides = [0] * arg.dim()
+        running: Any = 1
+        for dim in order:
+            strides[dim] = running
+            running = running * sizes[dim]
+        if [hint(stride) for stride in strides] != list(arg.stride()):
+            raise UnsupportedRegion(f"an input with strides {tuple(arg.stride())} that are not dense")
+    actual_offset = arg.storage_offset()
+    traced_offset = value.storage_offset()
+    offset_source = TensorPropertySource(source, TensorProperty.STORAGE_OFFSET)
+    if hint(traced_offset) == actual_offset:
+        offset = fresh(traced_offset, actual_offset, offset_source)
+    elif actual_offset == 0:
+        offset = 0
+    else:
+        symbol = shape_env.create_symbol(actual_offset, offset_source, do_not_specialize_zero_one=True)
+        offset = shape_env.create_symintnode(symbol, hint=actual_offset)
+    return strides, offset
 
 
 def _size_source(source: Any, dim: int) -> Any:
@@ -348,6 +377,9 @@ INNER_REGION_COMPILERS: dict[str, Callable[[fx.GraphModule, list[Any]], Callable
 
 # --- running regions --------------------------------------------------------------------------------
 
+MAX_COMPILES_PER_REGION = 8  # as dynamo's recompile limit: past it, a region runs uncompiled
+
+
 class Region(torch.nn.Module):
     """One region of a variant, called by the parent graph; compiled at its first call."""
 
@@ -367,6 +399,13 @@ class Region(torch.nn.Module):
         for entry in self.compiled:
             if entry.accepts(args):
                 return entry.compiled(*args)
+        if len(self.compiled) >= MAX_COMPILES_PER_REGION:
+            reason = (f"its guards failed on {MAX_COMPILES_PER_REGION} compiles (a size or stride that changes "
+                      "from call to call in a way the compiles could not make symbolic)")
+            log.warning("dcp: a region runs uncompiled from now on: %s", reason)
+            self.uncompiled.append(reason)
+            self.compiled.insert(0, GuardedCompile(None, self.graph_module))
+            return self.graph_module(*args)
         try:
             with compile_stage(f"region ({self.inner})"):
                 entry = compile_region(self.graph_module, args, self.inner)

@@ -1381,7 +1381,8 @@ def _record_sharding(row: dict[str, Any], record: Any, budget: int) -> None:
 
 
 def zoo_worker(rank: int, world_size: int, case_name: str, lengths: tuple[int, ...] | None = None,
-               sp_size: int | None = None, inner: str = "eager", rtol: float = RTOL, atol: float = ATOL) -> list[dict[str, Any]]:
+               sp_size: int | None = None, inner: str = "eager", rtol: float = RTOL, atol: float = ATOL,
+               regions: bool = False) -> list[dict[str, Any]]:
     """Compile one case with the dcp backend once, then for each length: ``dcp.explain`` (sharding
     checks against the case's gather budget) and forward+backward parity with eager on the full
     batch. Never raises: every exception becomes the row's ``error`` (and a failure)."""
@@ -1400,7 +1401,7 @@ def zoo_worker(rank: int, world_size: int, case_name: str, lengths: tuple[int, .
         torch._dynamo.reset()
         model = case.build()
         compiled = torch.compile(model, backend="dcp", dynamic=True,
-                                 options={"inner": inner, "sp_size": sp_size or world_size})
+                                 options={"inner": inner, "sp_size": sp_size or world_size, "regions": regions})
     except Exception as exc:  # noqa: BLE001
         for row in rows:
             row.update(error=f"build/compile: {_first_line(exc)}", error_where=_where(exc), traceback=traceback.format_exc()[-6000:])
