@@ -288,6 +288,7 @@ def input_signature(traced: list[Any], args: tuple) -> tuple:
 class GuardedCompile:
     guards: Any  # compiled expression, or None when the compile added none
     compiled: Callable
+    guard_source: str = ""  # the guards as Python, for whoever asks why a region compiled again
 
     def accepts(self, args: tuple) -> bool:
         from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
@@ -332,7 +333,7 @@ def compile_region(region: fx.GraphModule, args: tuple, inner: str) -> GuardedCo
     compiled = INNER_REGION_COMPILERS[inner](copy_module(region), fresh.values)
     guard_code = fresh.fake_mode.shape_env.produce_guards_expression(fresh.values, ignore_static=False)
     guards = compile(guard_code, "<dcp region guards>", "eval") if guard_code else None
-    entry = GuardedCompile(guards, compiled)
+    entry = GuardedCompile(guards, compiled, guard_code or "")
     candidates.append(entry)
     REGION_CACHE.compiles += 1
     return entry
