@@ -33,6 +33,13 @@ def _parity_worker(rank, world_size, inner, rtol, atol):
             actual = compiled_run(model, compiled, case, case.make_inputs(length), reduce=variant.sp_size > 1)
         problems += compare(f"gpt-regions-{variant}", length, eager_reference(case, length), actual, rtol=rtol, atol=atol)
         compiles[str(variant)] = REGION_CACHE.compiles
+    before = REGION_CACHE.compiles
+    for variant, length in VARIANTS[:3]:  # again, at other lengths: every region's guards hold
+        with dcp.use(variant):
+            actual = compiled_run(model, compiled, case, case.make_inputs(length + 6), reduce=variant.sp_size > 1)
+        problems += compare(f"gpt-regions-{variant}", length + 6, eager_reference(case, length + 6), actual,
+                            rtol=rtol, atol=atol)
+    compiles["again"] = REGION_CACHE.compiles - before
     with dcp.use(dcp.Variant(2)):
         record = dcp.explain(compiled, **case.make_inputs(30))
     problems += sharding_problems(record, 0)
@@ -54,6 +61,7 @@ def _check(results):
         assert compiles["sp=1/recompute=none"] - compiles["sp=2/recompute=none"] < compiles["sp=2/recompute=none"]
         assert "compiled region" in regions["sp=2/recompute=none"]
         assert regions["sp=2/recompute=selective"].startswith("not used: recompute=selective")
+        assert compiles["again"] == 0, "a region compiled again at another length: its guards did not hold"
 
 
 def test_regions_keep_parity_on_two_ranks():
@@ -145,3 +153,21 @@ def test_a_region_is_reused_where_its_guards_hold_and_compiled_again_where_they_
     again = compile_region(region, (transposed,), "aot_eager")
     assert again is not entry and REGION_CACHE.compiles == 2
     torch.testing.assert_close(again.compiled(transposed)[0], transposed * 3 + 1)
+
+
+def test_a_view_with_an_offset_is_compiled_once():
+    """A region input that is a view into a larger buffer (a narrowed chunk, adaLN's ``chunk(6)``) keeps
+    its storage offset in the fake input, so the compile's offset guard holds at the next call."""
+    REGION_CACHE.clear()
+
+    def double(x):
+        return (x * 2,)
+
+    region = _traced(double, torch.randn(4, 5))
+    for rows in (6, 9):
+        base = torch.randn(rows, 5)
+        view = base[2:]  # storage offset 10
+        entry = compile_region(region, (view,), "aot_eager")
+        torch.testing.assert_close(entry.compiled(view)[0], view * 2)
+    assert REGION_CACHE.compiles == 1 and REGION_CACHE.reuses == 1
+
