@@ -352,9 +352,18 @@ def _compile_inductor(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
     from torch._inductor.compile_fx import compile_fx
 
     from dcp_compile.compiler.inductor_patches import caches_keyed_by_the_fix, stride_sort_with_shape_env
+    from dcp_compile.compiler.inner_compilers import INDUCTOR_STRIDE_SORT_BUG, _is_inductor_stride_sort_bug
 
-    with stride_sort_with_shape_env(), caches_keyed_by_the_fix():
-        return compile_fx(gm, inputs)
+    try:
+        with stride_sort_with_shape_env(), caches_keyed_by_the_fix():
+            return compile_fx(copy_module(gm), inputs)
+    except Exception as error:
+        if not _is_inductor_stride_sort_bug(error):
+            raise
+    # As for a whole variant (inner_compilers.compile_inductor): the same region on every rank.
+    log.warning("dcp: a region runs under aot_eager: Inductor failed on symbolic strides it cannot order "
+                "(%s, pytorch/pytorch#172204)", INDUCTOR_STRIDE_SORT_BUG)
+    return _compile_aot_eager(gm, inputs)
 
 
 def _compile_aot_eager(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
