@@ -171,3 +171,17 @@ def test_a_view_with_an_offset_is_compiled_once():
         torch.testing.assert_close(entry.compiled(view)[0], view * 2)
     assert REGION_CACHE.compiles == 1 and REGION_CACHE.reuses == 1
 
+
+
+def test_an_int_input_may_be_negative():
+    """OmniGen hands a region a slice end ``-n``: its fresh symbol may not be a (positive) size."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from dcp_compile.compiler.regions import fresh_inputs
+
+    from torch._dynamo.source import ConstantSource
+
+    shape_env = ShapeEnv()
+    size = shape_env.create_symintnode(shape_env.create_symbol(15, source=ConstantSource("n")), hint=15)
+    fresh = fresh_inputs([-size], (-15,))
+    assert isinstance(fresh.values[0], torch.SymInt) and fresh.values[0].node.hint == -15

@@ -143,10 +143,10 @@ def fresh_inputs(traced: list[Any], args: tuple) -> FreshInputs:
     fake_mode = FakeTensorMode(shape_env=shape_env)
     symbols: dict[sympy.Expr, sympy.Symbol] = {}
 
-    def symbol_for(expression: sympy.Expr, hint: int, source: Any) -> sympy.Symbol:
+    def symbol_for(expression: sympy.Expr, hint: int, source: Any, positive: bool | None = True) -> sympy.Symbol:
         if expression not in symbols:
             symbols[expression] = shape_env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC,
-                                                          do_not_specialize_zero_one=True)
+                                                          do_not_specialize_zero_one=True, positive=positive)
         return symbols[expression]
 
     def expression_of(size: Any) -> sympy.Expr | None:
@@ -165,7 +165,7 @@ def fresh_inputs(traced: list[Any], args: tuple) -> FreshInputs:
                 if expression is not None:
                     symbol_for(expression, int(arg.shape[dim]), _size_source(source, dim))
         elif isinstance(arg, int) and isinstance(value, torch.SymInt):
-            symbol_for(expression_of(value), arg, source)
+            symbol_for(expression_of(value), arg, source, positive=None)  # an int may be negative (a slice end)
     fresh: list[Any] = []
     for index, (value, arg) in enumerate(zip(traced, args)):
         if isinstance(arg, torch.Tensor):
