@@ -185,3 +185,18 @@ def test_an_int_input_may_be_negative():
     size = shape_env.create_symintnode(shape_env.create_symbol(15, source=ConstantSource("n")), hint=15)
     fresh = fresh_inputs([-size], (-15,))
     assert isinstance(fresh.values[0], torch.SymInt) and fresh.values[0].node.hint == -15
+
+
+def test_a_region_with_a_data_dependent_size_compiles_in_its_own_shape_environment():
+    """Mochi selects its text tokens with ``nonzero`` inside a region: the variant's trace bound the
+    selection's size to a symbol of the variant's shape environment, which the region's own has not."""
+    REGION_CACHE.clear()
+
+    def select(x, mask):
+        return (x[torch.nonzero(mask).flatten()] * 2,)
+
+    x, mask = torch.randn(6, 4), torch.tensor([True, False, True, True, False, True])
+    region = _traced(select, x, mask)
+    assert any("unbacked_bindings" in node.meta for node in region.graph.nodes)
+    entry = compile_region(region, (x, mask), "aot_eager")
+    torch.testing.assert_close(entry.compiled(x, mask)[0], x[mask] * 2)

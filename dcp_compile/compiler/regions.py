@@ -345,6 +345,9 @@ def copy_module(region: fx.GraphModule) -> fx.GraphModule:
     for node in graph.nodes:
         for tag in ("recompute", "ac_graph_id", "dcp_recompute_tag"):  # recomputation is applied around regions
             node.meta.pop(tag, None)
+        # Symbols a data-dependent op (nonzero) made in the variant's shape environment: the region's
+        # trace makes its own in the fresh one, and rebinding to the variant's would find no range.
+        node.meta.pop("unbacked_bindings", None)
     return fx.GraphModule(region, graph)
 
 
