@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the Markdown report here")
     parser.add_argument("--worker", nargs=3, metavar=("MODEL", "MODE", "INNER"), help=argparse.SUPPRESS)
     parser.add_argument("--regions", action="store_true",
-                        help="dcp with options={'regions': True} (compiler/regions.py): token-local regions compiled "
+                        help="dcp with options={'regions': True} (compiler/regions/): token-local regions compiled "
                              "once for every variant")
     args = parser.parse_args(argv)
     if args.worker:

@@ -180,7 +180,7 @@ def _error_chain(error: BaseException | None) -> Iterator[BaseException]:
         error = error.__cause__ or error.__context__
 
 
-def _is_inductor_stride_sort_bug(error: BaseException) -> bool:
+def is_inductor_stride_sort_bug(error: BaseException) -> bool:
     for link in _error_chain(error):
         if isinstance(link, TypeError) and INDUCTOR_STRIDE_SORT_BUG in str(link):
             return any("stride" in frame.name or "fill_order" in frame.name or frame.name == "argsort"
@@ -242,7 +242,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list[Any], record: Vari
               dynamic_output_shapes_allowed(fake_mode)):
             return compile_fx(gm, example_inputs, inner_compile=recording_inner)
     except Exception as error:
-        if not _is_inductor_stride_sort_bug(error):
+        if not is_inductor_stride_sort_bug(error):
             raise
     # Every rank compiles the same graph and meets the same bug, so they all take this branch.
     record.inner_fallback = ("aot_eager instead of inductor: Inductor failed on symbolic strides it cannot "

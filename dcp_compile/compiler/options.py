@@ -22,7 +22,7 @@ class DCPOptions:
     debug_dir: str | None = None
     check: bool = False  # compare each variant's first call with the unsharded graph (dcp.check's light form)
     check_ranks: bool = True  # the SP group agrees on variant and inputs before each call (runtime/consistency.py)
-    regions: bool = False  # compile token-local regions once for every variant (compiler/regions.py)
+    regions: bool = False  # compile token-local regions once for every variant (compiler/regions/)
 
     @property
     def valid_names(self) -> list[str]:

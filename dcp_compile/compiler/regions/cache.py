@@ -1,0 +1,125 @@
+"""Compiled regions of this process, keyed by inner compiler and canonical code, each with its guards."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from dcp_compile.compiler.regions.canonical_form import canonical_code, copy_graph
+from dcp_compile.compiler.regions.fresh_symbols import fresh_inputs
+
+log = logging.getLogger(__name__)
+
+
+def input_signature(traced: list[Any], args: tuple) -> tuple:
+    """What the key needs beyond the code: each input's kind, dtype, static sizes and grad flag."""
+    signature = []
+    for value, arg in zip(traced, args):
+        if isinstance(arg, torch.Tensor):
+            sizes = tuple(None if isinstance(s, torch.SymInt) else int(s) for s in value.shape) \
+                if isinstance(value, torch.Tensor) else tuple(arg.shape)
+            signature.append(("tensor", arg.dtype, str(arg.device), sizes, arg.requires_grad))
+        elif isinstance(value, torch.SymInt):
+            signature.append(("symint",))
+        else:
+            signature.append(("constant", type(arg).__name__, repr(arg)))
+    return tuple(signature)
+
+@dataclass
+class GuardedCompile:
+    guards: Any  # compiled expression, or None when the compile added none
+    compiled: Callable
+    guard_source: str = ""  # the guards as Python, for whoever asks why a region compiled again
+
+    def accepts(self, args: tuple) -> bool:
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+        if self.guards is None:
+            return True
+        return bool(eval(self.guards, SYMPY_INTERP, {"L": {f"t{i}": arg for i, arg in enumerate(args)}}))
+
+@dataclass
+class RegionCache:
+    """Compiled regions of this process, by inner compiler and canonical code."""
+
+    entries: dict[tuple, list[GuardedCompile]] = field(default_factory=dict)
+    compiles: int = 0
+    reuses: int = 0
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.compiles = self.reuses = 0
+
+REGION_CACHE = RegionCache()
+
+def traced_inputs(region: fx.GraphModule) -> list[Any]:
+    """The region's placeholders' values in the variant's trace (what is symbolic there)."""
+    return [node.meta.get("val") for node in region.graph.find_nodes(op="placeholder")]
+
+def compile_region(region: fx.GraphModule, args: tuple, inner: str) -> GuardedCompile:
+    """``region`` compiled by ``inner`` for shapes like ``args`` (real values), from the cache if its
+    code was compiled before and its guards hold for ``args``."""
+    traced = traced_inputs(region)
+    key = (inner, canonical_code(region), input_signature(traced, args))
+    candidates = REGION_CACHE.entries.setdefault(key, [])
+    for candidate in candidates:
+        if candidate.accepts(args):
+            REGION_CACHE.reuses += 1
+            return candidate
+    fresh = fresh_inputs(traced, args)
+    compiled = INNER_REGION_COMPILERS[inner](copy_module(region), fresh.values)
+    guard_code = fresh.fake_mode.shape_env.produce_guards_expression(fresh.values, ignore_static=False)
+    guards = compile(guard_code, "<dcp region guards>", "eval") if guard_code else None
+    entry = GuardedCompile(guards, compiled, guard_code or "")
+    candidates.append(entry)
+    REGION_CACHE.compiles += 1
+    return entry
+
+def copy_module(region: fx.GraphModule) -> fx.GraphModule:
+    """A copy to compile: the compile passes edit the graph, and the cached code must stay the key."""
+    graph = copy_graph(region)
+    for node in graph.nodes:
+        for tag in ("recompute", "ac_graph_id", "dcp_recompute_tag"):  # recomputation is applied around regions
+            node.meta.pop(tag, None)
+        # Symbols a data-dependent op (nonzero) made in the variant's shape environment: the region's
+        # trace makes its own in the fresh one, and rebinding to the variant's would find no range.
+        node.meta.pop("unbacked_bindings", None)
+    return fx.GraphModule(region, graph)
+
+def _compile_inductor(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
+    from torch._inductor.compile_fx import compile_fx
+
+    from dcp_compile.compiler.inductor_patches import caches_keyed_by_the_fix, stride_sort_with_shape_env
+    from dcp_compile.compiler.inner_compilers import INDUCTOR_STRIDE_SORT_BUG, is_inductor_stride_sort_bug
+
+    try:
+        with stride_sort_with_shape_env(), caches_keyed_by_the_fix():
+            return compile_fx(copy_module(gm), inputs)
+    except Exception as error:
+        if not is_inductor_stride_sort_bug(error):
+            raise
+    # As for a whole variant (inner_compilers.compile_inductor): the same region on every rank.
+    log.warning("dcp: a region runs under aot_eager: Inductor failed on symbolic strides it cannot order "
+                "(%s, pytorch/pytorch#172204)", INDUCTOR_STRIDE_SORT_BUG)
+    return _compile_aot_eager(gm, inputs)
+
+def _compile_aot_eager(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def boxed(graph: fx.GraphModule, _: list[Any]) -> Callable:
+        return make_boxed_func(graph.forward)
+
+    return aot_module_simplified(gm, inputs, fw_compiler=boxed, bw_compiler=boxed,
+                                 partition_fn=min_cut_rematerialization_partition,
+                                 keep_inference_input_mutations=True)
+
+INNER_REGION_COMPILERS: dict[str, Callable[[fx.GraphModule, list[Any]], Callable]] = {
+    "inductor": _compile_inductor,
+    "aot_eager": _compile_aot_eager,
+}

@@ -1,0 +1,138 @@
+"""Fake inputs for a region in a shape environment of its own, with a symbol per size expression."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class UnsupportedRegion(Exception):
+    """A region that cannot be compiled with fresh symbols: it runs as the ATen graph it is."""
+
+@dataclass
+class FreshInputs:
+    fake_mode: Any
+    values: list[Any]
+
+def fresh_inputs(traced: list[Any], args: tuple) -> FreshInputs:
+    """Fake inputs of a new shape environment for a region called with ``args``: each distinct size
+    expression of the variant's trace (``traced``, the placeholders' values: ``s0``, the chunk
+    ``(s1 + 1) // 2``) becomes a symbol of its own, hinted by ``args``; static sizes stay numbers.
+
+    Sizes that are one expression in the trace are one symbol here, so the region keeps exactly
+    the relations the variant's trace had between its inputs' sizes, and no others: a region of
+    SP 2 (chunk ``(s1 + 1) // 2``) and of SP 1 (``s1``) then trace to the same graph."""
+    import sympy
+    from torch._dynamo.source import LocalSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    shape_env = ShapeEnv()
+    fake_mode = FakeTensorMode(shape_env=shape_env)
+    symbols: dict[sympy.Expr, sympy.Symbol] = {}
+
+    def symbol_for(expression: sympy.Expr, hint: int, source: Any, positive: bool | None = True) -> sympy.Symbol:
+        if expression not in symbols:
+            symbols[expression] = shape_env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC,
+                                                          do_not_specialize_zero_one=True, positive=positive)
+        return symbols[expression]
+
+    def expression_of(size: Any) -> sympy.Expr | None:
+        if isinstance(size, torch.SymInt):
+            if size.node.hint is None:
+                raise UnsupportedRegion("an input size only the data decides (an unbacked symbol)")
+            return size.node.expr
+        return None
+
+    # Sizes first, everywhere, so that a stride can be written in the symbols of any input's sizes.
+    for index, (value, arg) in enumerate(zip(traced, args)):
+        source = LocalSource(f"t{index}")
+        if isinstance(arg, torch.Tensor) and isinstance(value, torch.Tensor):
+            for dim, size in enumerate(value.shape):
+                expression = expression_of(size)
+                if expression is not None:
+                    symbol_for(expression, int(arg.shape[dim]), _size_source(source, dim))
+        elif isinstance(arg, int) and isinstance(value, torch.SymInt):
+            symbol_for(expression_of(value), arg, source, positive=None)  # an int may be negative (a slice end)
+    fresh: list[Any] = []
+    for index, (value, arg) in enumerate(zip(traced, args)):
+        if isinstance(arg, torch.Tensor):
+            if not isinstance(value, torch.Tensor):
+                raise UnsupportedRegion("a tensor input without its traced value")
+            sizes = [_in_fresh(shape_env, symbols, size, int(actual)) for size, actual in zip(value.shape, arg.shape)]
+            strides, offset = _fresh_layout(shape_env, symbols, value, arg, sizes, LocalSource(f"t{index}"))
+            with fake_mode:
+                if isinstance(offset, int) and offset == 0:
+                    fake = torch.empty_strided(sizes, strides, dtype=arg.dtype, device=arg.device)
+                else:  # a view into a larger buffer (a narrowed chunk): keep its offset, or its guard fails
+                    extent = offset + 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides))
+                    fake = torch.empty(extent, dtype=arg.dtype, device=arg.device).as_strided(sizes, strides, offset)
+            fresh.append(fake.requires_grad_(True) if arg.requires_grad else fake)
+        elif isinstance(arg, int) and isinstance(value, torch.SymInt):
+            fresh.append(_in_fresh(shape_env, symbols, value, arg))
+        elif isinstance(value, (torch.SymFloat, torch.SymBool)):
+            raise UnsupportedRegion(f"a symbolic {type(value).__name__} input")
+        else:
+            fresh.append(arg)
+    return FreshInputs(fake_mode, fresh)
+
+def _fresh_layout(shape_env: Any, symbols: dict, value: torch.Tensor, arg: torch.Tensor, sizes: list,
+                  source: Any) -> tuple[list, Any]:
+    """The strides and storage offset ``arg`` has at run time, in the fresh symbols: the traced
+    expressions where they give ``arg``'s values (a kernel may lay its output out otherwise than its
+    fake did: then ``arg``'s dense order), and a symbol of their own where no size writes them."""
+    from torch._dynamo.source import TensorProperty, TensorPropertySource
+
+    def fresh(traced: Any, actual: int, where: Any) -> Any:
+        try:
+            return _in_fresh(shape_env, symbols, traced, actual)
+        except UnsupportedRegion:
+            symbol = shape_env.create_symbol(actual, where, do_not_specialize_zero_one=True)
+            symbols[traced.node.expr] = symbol
+            return shape_env.create_symintnode(symbol, hint=actual)
+
+    def hint(size: Any) -> int:
+        return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+    if [hint(stride) for stride in value.stride()] == list(arg.stride()):
+        strides = [fresh(stride, actual, TensorPropertySource(source, TensorProperty.STRIDE, dim))
+                   for dim, (stride, actual) in enumerate(zip(value.stride(), arg.stride()))]
+    else:
+        order = sorted(range(arg.dim()), key=lambda dim: (arg.stride(dim), arg.shape[dim]))  # innermost first
+        strides = [0] * arg.dim()
+        running: Any = 1
+        for dim in order:
+            strides[dim] = running
+            running = running * sizes[dim]
+        if [hint(stride) for stride in strides] != list(arg.stride()):
+            raise UnsupportedRegion(f"an input with strides {tuple(arg.stride())} that are not dense")
+    actual_offset = arg.storage_offset()
+    traced_offset = value.storage_offset()
+    offset_source = TensorPropertySource(source, TensorProperty.STORAGE_OFFSET)
+    if hint(traced_offset) == actual_offset:
+        offset = fresh(traced_offset, actual_offset, offset_source)
+    elif actual_offset == 0:
+        offset = 0
+    else:
+        symbol = shape_env.create_symbol(actual_offset, offset_source, do_not_specialize_zero_one=True)
+        offset = shape_env.create_symintnode(symbol, hint=actual_offset)
+    return strides, offset
+
+def _size_source(source: Any, dim: int) -> Any:
+    from torch._dynamo.source import TensorProperty, TensorPropertySource
+
+    return TensorPropertySource(source, TensorProperty.SIZE, dim)
+
+def _in_fresh(shape_env: Any, symbols: dict, size: Any, actual: int) -> Any:
+    """A traced size or stride written in the fresh symbols (a number where it is static)."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    expression = size.node.expr
+    if expression in symbols:
+        return shape_env.create_symintnode(symbols[expression], hint=actual)
+    rewritten = expression.xreplace(symbols)
+    if rewritten.free_symbols - set(symbols.values()):
+        raise UnsupportedRegion(f"a stride or size {expression} not written in the inputs' sizes")
+    return shape_env.create_symintnode(rewritten, hint=actual)
