@@ -70,14 +70,14 @@ def make_model() -> TinyGPT:
     return TinyGPT(VOCAB, HIDDEN, LAYERS, HEADS)
 
 
-def train_rank(rank: int, world_size: int, steps: list[int]) -> dict:
+def train_rank(rank: int, world_size: int, steps: list[int], options: dict | None = None) -> dict:
     from torch.distributed.tensor import DTensor
 
     dcp.create_sp_groups()
     dataset = make_dataset()
     sampler = make_sampler(rank)
     model = dcp.shard_model(make_model())
-    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager"})
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options=options or {"inner": "eager"})
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
     counts, sp_sizes = [], set()
     for step in steps:
@@ -119,10 +119,10 @@ def reference_parameters(steps: list[int]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_fsdp2_steps_equal_one_process_over_the_global_batches() -> None:
+def test_fsdp2_steps_equal_one_process_over_the_global_batches(options: dict | None = None) -> None:
     steps = chosen_steps()
     assert len(steps) == STEPS, "the sampler plan should give ranks uneven micro-batch counts"
-    results = run_in_process_world(train_rank, WORLD_SIZE, steps, timeout=900)
+    results = run_in_process_world(train_rank, WORLD_SIZE, steps, options, timeout=900)
     counts = [r["counts"] for r in results]
     assert all(len({c[i] for c in counts}) > 1 for i in range(STEPS)), counts
     assert any(0 in {c[i] for c in counts} for i in range(STEPS)), "a rank with no micro-batch"

@@ -99,6 +99,15 @@ def test_the_documented_block_runs_as_written(fake_world, capsys):
     assert REGION_CACHE.reuses > 0
 
 
+@pytest.mark.slow
+def test_fsdp2_training_with_regions_equals_one_process():
+    """FSDP2 steps of mixed SP sizes (regions compiled under aot_eager) give the parameters one
+    process gets on the global batches (tests/test_fsdp.py's check, with regions on)."""
+    from test_fsdp import test_fsdp2_steps_equal_one_process_over_the_global_batches as fsdp2_steps
+
+    fsdp2_steps(options={"inner": "aot_eager", "regions": True})
+
+
 # --- one region, no world -----------------------------------------------------------------------
 
 def _traced(function, *inputs) -> fx.GraphModule:
