@@ -209,3 +209,15 @@ def test_a_region_with_a_data_dependent_size_compiles_in_its_own_shape_environme
     assert any("unbacked_bindings" in node.meta for node in region.graph.nodes)
     entry = compile_region(region, (x, mask), "aot_eager")
     torch.testing.assert_close(entry.compiled(x, mask)[0], x[mask] * 2)
+
+
+def test_the_html_report_names_the_regions(fake_world):
+    from dcp_compile.report.html_report import model_report_html
+
+    REGION_CACHE.clear()
+    case = ZOO["gpt"]
+    compiled = torch.compile(case.build(), backend="dcp", dynamic=True, options={"inner": "aot_eager", "regions": True})
+    with dcp.use(dcp.Variant(2)):
+        page = model_report_html(dcp.explain(compiled, **case.make_inputs(20)))
+    assert "compiled region(s) (shared by code across variants)" in page
+    assert "regional compilation: each region partitions its own backward" in page

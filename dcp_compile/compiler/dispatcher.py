@@ -237,6 +237,7 @@ class Dispatcher:
             return None
         parent, plan = regional_module(gm, self.options.inner, variant.recompute, variant_record.uncompiled_regions)
         variant_record.regions = describe_regions(plan)
+        variant_record.compiled_in_regions = True
         return parent
 
 

@@ -44,6 +44,7 @@ class VariantRecord:
     no_attention: str | None = None  # a graph without attention: why it has none (a graph break's piece, ...)
     inner_fallback: str | None = None  # why the variant runs under another inner compiler than asked
     regions: str | None = None  # options={"regions": True}: how the variant was cut, or why it was not
+    compiled_in_regions: bool = False  # the variant runs as compiled regions (no whole forward/backward graph)
     uncompiled_regions: list[str] = field(default_factory=list)  # regions that run as ATen graphs, and why
     packed_attention: str | None = None  # packed variants: the attention implementation and why (the table's case)
     forward_graph: str | None = None

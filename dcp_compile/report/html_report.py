@@ -107,7 +107,9 @@ def _stats_table(variant: "VariantRecord") -> str:
         unsharded = f"whole graph: {variant.fallback_reason}"
     else:
         unsharded = str(len(variant.unsharded_sites) + len(variant.local_fallbacks))
-    if variant.saved_activation_bytes is None:
+    if variant.compiled_in_regions:
+        saved = "not counted (regional compilation: each region partitions its own backward)"
+    elif variant.saved_activation_bytes is None:
         saved = "not measured (inner compiler 'eager' partitions no backward)"
     else:
         saved = f"{_bytes(variant.saved_activation_bytes)} per rank at the traced length"
@@ -125,6 +127,9 @@ def _stats_table(variant: "VariantRecord") -> str:
         ("saved for backward", saved),
         ("compile time", f"{variant.compile_seconds:.2f} s ({variant.calls} call(s))"),
     ]
+    if variant.regions:
+        rows.append(("regions", variant.regions + (f"; uncompiled: {'; '.join(variant.uncompiled_regions)}"
+                                                   if variant.uncompiled_regions else "")))
     cells = "".join(f"<tr><th>{html.escape(name)}</th><td>{html.escape(value)}</td></tr>" for name, value in rows)
     return f"<table class='stats'>{cells}</table>"
 
