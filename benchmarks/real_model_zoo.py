@@ -187,6 +187,14 @@ def render(by_case: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> st
             f"{total['sites_covered']}/{total['sites']}.",
             "",
         ]
+    if meta.get("regions"):
+        uncompiled = {name: sorted({reason for row in rows for reason in row.get("uncompiled_regions", [])})
+                      for name, rows in by_case.items()}
+        uncompiled = {name: reasons for name, reasons in uncompiled.items() if reasons}
+        lines += [f"**Regions run uncompiled** (correct, not compiled: `VariantRecord.uncompiled_regions`): "
+                  f"{sum(len(r) for r in uncompiled.values())} in {len(uncompiled)} case(s)"
+                  + ("." if not uncompiled else ": " + "; ".join(f"{name}: {' / '.join(reasons)[:300]}"
+                                                               for name, reasons in sorted(uncompiled.items()))), ""]
     lines += [
         "| model | family | tokens | verdict | parity (max abs err) | sites | gathers | gather reasons / fallback | graphs | error | s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",

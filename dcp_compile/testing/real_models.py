@@ -1353,6 +1353,8 @@ def _record_sharding(row: dict[str, Any], record: Any, budget: int) -> None:
     reasons: collections.Counter = collections.Counter()
     for graph in record.graphs:
         for variant in graph.variants.values():
+            row.setdefault("uncompiled_regions", []).extend(  # regional compilation: regions run as ATen graphs
+                f"graph {graph.graph_id} {variant.variant}: {reason}" for reason in variant.uncompiled_regions)
             if variant.sp_size <= 1 or not variant.attention_sites:
                 continue
             covered = len(variant.sharded_sites) + len(variant.rank_local_sites) + len(variant.replicated_sites)
