@@ -187,7 +187,10 @@ def render(by_case: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> st
             f"{total['sites_covered']}/{total['sites']}.",
             "",
         ]
-    if meta.get("regions"):
+    recorded = any("uncompiled_regions" in row for rows in by_case.values() for row in rows)
+    if meta.get("regions") and not recorded:
+        lines += ["**Regions run uncompiled:** not recorded by this run (rows from before the report kept them).", ""]
+    elif meta.get("regions"):
         uncompiled = {name: sorted({reason for row in rows for reason in row.get("uncompiled_regions", [])})
                       for name, rows in by_case.items()}
         uncompiled = {name: reasons for name, reasons in uncompiled.items() if reasons}
