@@ -12,7 +12,7 @@ communication), under each of
 
 for recompute ``none`` and ``full``. All configurations are compiled first, then timed in rounds
 that visit them in turn (so the machine's load moves them alike); the table gives each one's median
-step and its ratio to ``plain``. *Measured* on the CPU that runs it (one torch thread): the Python
+step (CPU time of the process, one torch thread) and its ratio to ``plain``. *Measured* on the CPU that runs it (one torch thread): the Python
 work per step is the same on a GPU, where steps are longer and its share smaller.
 
     PYTHONPATH=. python benchmarks/regions_step_time.py --out benchmarks/results/regions_step_time_cpu.md
@@ -39,9 +39,11 @@ def build(width: int, layers: int) -> TinyGPT:
 
 
 def step(compiled, ids: torch.Tensor) -> float:
-    start = time.perf_counter()
+    """CPU seconds of one forward + backward: on one torch thread, what other jobs on a shared
+    machine do not move (the wall clock moved these medians by more than their differences)."""
+    start = time.process_time()
     compiled(ids, ids).backward()
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 def main() -> None:
@@ -80,10 +82,11 @@ def main() -> None:
         f"**Measured** on {platform.processor() or platform.machine()} (one torch thread), torch {torch.__version__}, "
         f"by `benchmarks/regions_step_time.py`: TinyGPT width {args.width}, {args.layers} layers, 8 heads, "
         f"{args.tokens} tokens, forward + backward at SP 1, inner compiler `{args.inner}`, median of {args.rounds} "
-        "steps per configuration, taken in rounds that visit every configuration in turn. Load average (1 min) "
+        "steps (CPU time of the process) per configuration, taken in rounds that visit every configuration in "
+        "turn. Load average (1 min) "
         f"{load_before:.1f} before the timed rounds and {load_after:.1f} after, on {os.cpu_count()} CPUs.",
         "",
-        "| configuration | median step (ms) | ratio to plain | spread (min-max, ms) |",
+        "| configuration | median step (CPU ms) | ratio to plain | spread (min-max, CPU ms) |",
         "| --- | ---: | ---: | --- |",
     ]
     for name, samples in times.items():
