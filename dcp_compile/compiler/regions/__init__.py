@@ -44,9 +44,11 @@ from dcp_compile.variant import RecomputePolicy
 
 log = logging.getLogger(__name__)
 
+# Recompute policies that regions apply at run time; ``selective`` compiles the variant whole.
 REGIONAL_POLICIES = (RecomputePolicy.NONE, RecomputePolicy.ATTENTION, RecomputePolicy.FULL)
 
 MAX_COMPILES_PER_REGION = 8  # as dynamo's recompile limit: past it, a region runs uncompiled
+
 
 class Region(torch.nn.Module):
     """One region of a variant, called by the parent graph; compiled at its first call."""
@@ -89,6 +91,7 @@ class Region(torch.nn.Module):
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return checkpoint(self.run, *args, use_reentrant=False)
         return self.run(*args)
+
 
 def regional_module(gm: fx.GraphModule, inner: str, recompute: RecomputePolicy,
                     uncompiled: list[str] | None = None) -> tuple[fx.GraphModule, RegionPlan]:

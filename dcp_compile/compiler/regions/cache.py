@@ -29,6 +29,7 @@ def input_signature(traced: list[Any], args: tuple) -> tuple:
             signature.append(("constant", type(arg).__name__, repr(arg)))
     return tuple(signature)
 
+
 @dataclass
 class GuardedCompile:
     guards: Any  # compiled expression, or None when the compile added none
@@ -42,6 +43,7 @@ class GuardedCompile:
             return True
         return bool(eval(self.guards, SYMPY_INTERP, {"L": {f"t{i}": arg for i, arg in enumerate(args)}}))
 
+
 @dataclass
 class RegionCache:
     """Compiled regions of this process, by inner compiler and canonical code."""
@@ -54,11 +56,14 @@ class RegionCache:
         self.entries.clear()
         self.compiles = self.reuses = 0
 
+
 REGION_CACHE = RegionCache()
+
 
 def traced_inputs(region: fx.GraphModule) -> list[Any]:
     """The region's placeholders' values in the variant's trace (what is symbolic there)."""
     return [node.meta.get("val") for node in region.graph.find_nodes(op="placeholder")]
+
 
 def compile_region(region: fx.GraphModule, args: tuple, inner: str) -> GuardedCompile:
     """``region`` compiled by ``inner`` for shapes like ``args`` (real values), from the cache if its
@@ -79,6 +84,7 @@ def compile_region(region: fx.GraphModule, args: tuple, inner: str) -> GuardedCo
     REGION_CACHE.compiles += 1
     return entry
 
+
 def copy_module(region: fx.GraphModule) -> fx.GraphModule:
     """A copy to compile: the compile passes edit the graph, and the cached code must stay the key."""
     graph = copy_graph(region)
@@ -89,6 +95,7 @@ def copy_module(region: fx.GraphModule) -> fx.GraphModule:
         # trace makes its own in the fresh one, and rebinding to the variant's would find no range.
         node.meta.pop("unbacked_bindings", None)
     return fx.GraphModule(region, graph)
+
 
 def _compile_inductor(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
     from torch._inductor.compile_fx import compile_fx
@@ -107,6 +114,7 @@ def _compile_inductor(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
                 "(%s, pytorch/pytorch#172204)", INDUCTOR_STRIDE_SORT_BUG)
     return _compile_aot_eager(gm, inputs)
 
+
 def _compile_aot_eager(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
@@ -118,6 +126,7 @@ def _compile_aot_eager(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
     return aot_module_simplified(gm, inputs, fw_compiler=boxed, bw_compiler=boxed,
                                  partition_fn=min_cut_rematerialization_partition,
                                  keep_inference_input_mutations=True)
+
 
 INNER_REGION_COMPILERS: dict[str, Callable[[fx.GraphModule, list[Any]], Callable]] = {
     "inductor": _compile_inductor,

@@ -15,6 +15,7 @@ def canonical_code(region: fx.GraphModule) -> str:
             node.target = node.name
     return graph.python_code("self").src
 
+
 def copy_graph(region: fx.GraphModule) -> fx.Graph:
     graph = fx.Graph()
     environment: dict[fx.Node, fx.Node] = {}
@@ -22,7 +23,9 @@ def copy_graph(region: fx.GraphModule) -> fx.Graph:
         environment[node] = graph.node_copy(node, lambda n: environment[n])
     return graph
 
+
 VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+
 
 def canonical_views(region: fx.GraphModule) -> bool:
     """Spell every view's sizes one way: static sizes as numbers, the last symbolic size as -1.
@@ -61,13 +64,16 @@ def canonical_views(region: fx.GraphModule) -> bool:
             changed = True
     return changed
 
+
 FULL_SLICE_END = 2**63 - 1  # what a trace writes for ``x[:, a:]``
+
 
 def _keeps_everything(node: fx.Node) -> bool:
     """``slice(x, dim, 0, end)`` with step 1 and an end past any size: ``x`` itself."""
     args = list(node.args) + [None] * (5 - len(node.args))
     _, _, start, end, step = args[:5]
     return start in (0, None) and step in (1, None) and end in (FULL_SLICE_END, None) and not node.kwargs
+
 
 def _canonical_expand(node: fx.Node) -> bool:
     """``expand`` sizes: -1 wherever the input already has the size (symbolic), numbers where static."""
@@ -90,6 +96,7 @@ def _canonical_expand(node: fx.Node) -> bool:
         return False
     node.args = (source, canonical, *node.args[2:])
     return True
+
 
 def drop_unused_inputs(parent: fx.GraphModule, name: str) -> None:
     """Remove the placeholders ``name``'s region no longer reads, and the parent's arguments for them."""

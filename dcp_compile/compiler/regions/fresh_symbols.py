@@ -11,10 +11,12 @@ import torch
 class UnsupportedRegion(Exception):
     """A region that cannot be compiled with fresh symbols: it runs as the ATen graph it is."""
 
+
 @dataclass
 class FreshInputs:
     fake_mode: Any
     values: list[Any]
+
 
 def fresh_inputs(traced: list[Any], args: tuple) -> FreshInputs:
     """Fake inputs of a new shape environment for a region called with ``args``: each distinct size
@@ -78,6 +80,7 @@ def fresh_inputs(traced: list[Any], args: tuple) -> FreshInputs:
             fresh.append(arg)
     return FreshInputs(fake_mode, fresh)
 
+
 def _fresh_layout(shape_env: Any, symbols: dict, value: torch.Tensor, arg: torch.Tensor, sizes: list,
                   source: Any) -> tuple[list, Any]:
     """The strides and storage offset ``arg`` has at run time, in the fresh symbols: the traced
@@ -120,10 +123,12 @@ def _fresh_layout(shape_env: Any, symbols: dict, value: torch.Tensor, arg: torch
         offset = shape_env.create_symintnode(symbol, hint=actual_offset)
     return strides, offset
 
+
 def _size_source(source: Any, dim: int) -> Any:
     from torch._dynamo.source import TensorProperty, TensorPropertySource
 
     return TensorPropertySource(source, TensorProperty.SIZE, dim)
+
 
 def _in_fresh(shape_env: Any, symbols: dict, size: Any, actual: int) -> Any:
     """A traced size or stride written in the fresh symbols (a number where it is static)."""

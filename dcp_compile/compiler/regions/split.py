@@ -20,6 +20,7 @@ class RegionKind(enum.Enum):
     ATTENTION = "attention"  # one attention op: runs as it is; recomputed under attention and full
     EXCHANGE = "exchange"  # a collective or one of dcp's own ops: runs as it is; never recomputed
 
+
 def kind_of(node: fx.Node) -> RegionKind:
     """Attention ops; what differs between SP sizes (a site's Ulysses or ring lowering, collectives,
     dcp's own ops, higher-order ops with subgraphs of their own); and the token-local rest."""
@@ -31,12 +32,14 @@ def kind_of(node: fx.Node) -> RegionKind:
         return RegionKind.EXCHANGE
     return RegionKind.COMPILED
 
+
 @dataclass
 class RegionPlan:
     """The variant's graph as a parent graph that calls one submodule per region, in order."""
 
     parent: fx.GraphModule
     kinds: dict[str, RegionKind]  # submodule name -> kind
+
 
 def split_into_regions(gm: fx.GraphModule) -> RegionPlan:
     """Cut ``gm`` before and after every op that is not token-local (see ``kind_of``): each attention
@@ -66,6 +69,7 @@ def split_into_regions(gm: fx.GraphModule) -> RegionPlan:
     parent = split_module(gm, gm, lambda node: partition[node], keep_original_order=True, tuple_return=True)
     return RegionPlan(parent, {f"submod_{number}": kind for number, kind in kinds.items()
                                if hasattr(parent, f"submod_{number}")})
+
 
 def describe_regions(plan: RegionPlan) -> str:
     counts = {kind: sum(1 for k in plan.kinds.values() if k is kind) for kind in RegionKind}
