@@ -33,6 +33,13 @@ compiled code a further variant shares with the ones before it.
 
     PYTHONPATH=. python benchmarks/compile_time.py --inner inductor aot_eager \\
         --out benchmarks/results/compile_time.md
+
+``--regions`` runs dcp with ``options={"regions": True}`` (regional compilation: token-local regions
+compiled once and shared by every variant that repeats them); each variant then also records how many
+regions the process had compiled and reused by its end:
+
+    PYTHONPATH=. python benchmarks/compile_time.py --regions --inner inductor aot_eager \\
+        --out benchmarks/results/compile_time_regions.md
 """
 
 from __future__ import annotations
