@@ -221,3 +221,22 @@ def test_the_html_report_names_the_regions(fake_world):
         page = model_report_html(dcp.explain(compiled, **case.make_inputs(20)))
     assert "compiled region(s) (shared by code across variants)" in page
     assert "regional compilation: each region partitions its own backward" in page
+
+
+def test_regions_with_the_same_code_and_other_constants_do_not_share_a_compile():
+    """A lifted constant is read by attribute name; the compile bakes its value in."""
+    REGION_CACHE.clear()
+
+    def shift(x):
+        return (x + torch.tensor([1.0, 2.0, 3.0]),)
+
+    def other_shift(x):
+        return (x + torch.tensor([10.0, 20.0, 30.0]),)
+
+    x = torch.randn(4, 3)
+    first, second = _traced(shift, x), _traced(other_shift, x)
+    assert canonical_code(first) == canonical_code(second)  # both read self._tensor_constant0
+    torch.testing.assert_close(compile_region(first, (x,), "aot_eager").compiled(x)[0], x + torch.tensor([1.0, 2.0, 3.0]))
+    torch.testing.assert_close(compile_region(second, (x,), "aot_eager").compiled(x)[0],
+                               x + torch.tensor([10.0, 20.0, 30.0]))
+    assert REGION_CACHE.compiles == 2

@@ -60,6 +60,22 @@ class RegionCache:
 REGION_CACHE = RegionCache()
 
 
+def constants_signature(region: fx.GraphModule) -> tuple:
+    """Which objects the region's ``get_attr`` nodes read (a lifted constant: a mask, a table).
+
+    The code names them by attribute (``_tensor_constant0``), and a compile bakes them in, so two
+    regions with the same code but other constants must not share one: they are keyed by identity
+    (two equal constants that are different objects compile twice, which is only slower)."""
+    return tuple((str(node.target), id(_attribute(region, str(node.target))))
+                 for node in region.graph.find_nodes(op="get_attr"))
+
+
+def _attribute(module: torch.nn.Module, qualified_name: str) -> Any:
+    for part in qualified_name.split("."):
+        module = getattr(module, part)
+    return module
+
+
 def traced_inputs(region: fx.GraphModule) -> list[Any]:
     """The region's placeholders' values in the variant's trace (what is symbolic there)."""
     return [node.meta.get("val") for node in region.graph.find_nodes(op="placeholder")]
@@ -69,7 +85,7 @@ def compile_region(region: fx.GraphModule, args: tuple, inner: str) -> GuardedCo
     """``region`` compiled by ``inner`` for shapes like ``args`` (real values), from the cache if its
     code was compiled before and its guards hold for ``args``."""
     traced = traced_inputs(region)
-    key = (inner, canonical_code(region), input_signature(traced, args))
+    key = (inner, canonical_code(region), input_signature(traced, args), constants_signature(region))
     candidates = REGION_CACHE.entries.setdefault(key, [])
     for candidate in candidates:
         if candidate.accepts(args):
