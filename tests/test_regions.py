@@ -240,3 +240,25 @@ def test_regions_with_the_same_code_and_other_constants_do_not_share_a_compile()
     torch.testing.assert_close(compile_region(second, (x,), "aot_eager").compiled(x)[0],
                                x + torch.tensor([10.0, 20.0, 30.0]))
     assert REGION_CACHE.compiles == 2
+
+
+def test_a_view_into_a_wider_tensor_keeps_its_traced_strides_at_another_length():
+    """adaLN's ``chunk(6, dim=-1)`` hands a region ``[B, S, 32]`` views of ``[B, S, 192]``: stride
+    ``192 * S``. Traced at S = 5 and called at S = 7, the traced expression still gives the call's
+    stride; comparing the trace's numbers with the call's ran such regions uncompiled (Flux 2, LTX-2)."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from dcp_compile.compiler.regions import fresh_inputs
+
+    shape_env = ShapeEnv()
+    batch, tokens = (shape_env.create_symintnode(shape_env.create_symbol(hint, ConstantSource(name)), hint=hint)
+                     for hint, name in ((2, "b"), (5, "s")))
+    with FakeTensorMode(shape_env=shape_env):
+        traced = torch.empty_strided((batch, tokens, 32), (192 * tokens, 192, 1))
+    call = torch.randn(2, 7, 192)[..., :32]
+    fresh = fresh_inputs([traced], (call,))
+    stride = fresh.values[0].stride(0)
+    assert isinstance(stride, torch.SymInt) and stride.node.hint == 192 * 7
+    assert fresh.values[0].shape[1].node.expr in stride.node.expr.free_symbols  # written in the tokens' symbol

@@ -83,44 +83,60 @@ def fresh_inputs(traced: list[Any], args: tuple) -> FreshInputs:
 
 def _fresh_layout(shape_env: Any, symbols: dict, value: torch.Tensor, arg: torch.Tensor, sizes: list,
                   source: Any) -> tuple[list, Any]:
-    """The strides and storage offset ``arg`` has at run time, in the fresh symbols: the traced
-    expressions where they give ``arg``'s values (a kernel may lay its output out otherwise than its
-    fake did: then ``arg``'s dense order), and a symbol of their own where no size writes them."""
+    """The strides and storage offset ``arg`` has at this call, in the fresh symbols.
+
+    In order of preference: the traced expressions, where they give ``arg``'s values at this call's
+    sizes (a stride ``192 * s`` of adaLN's ``chunk(6)`` view); ``arg``'s dense order (a kernel laid
+    its output out otherwise than its fake did); else a symbol of its own for each stride that
+    neither writes (the guards then bind it to the call's stride, no more)."""
     from torch._dynamo.source import TensorProperty, TensorPropertySource
 
-    def fresh(traced: Any, actual: int, where: Any) -> Any:
-        try:
-            return _in_fresh(shape_env, symbols, traced, actual)
-        except UnsupportedRegion:
+    fresh_symbols = set(symbols.values())
+    hints = {symbol: shape_env.backed_var_to_val[symbol] for symbol in fresh_symbols}
+
+    def written(traced: Any) -> Any:
+        """``traced`` in the fresh symbols, or None where no size writes it."""
+        if not isinstance(traced, torch.SymInt):
+            return int(traced)
+        rewritten = traced.node.expr.xreplace(symbols)
+        return None if rewritten.free_symbols - fresh_symbols else rewritten
+
+    def at_this_call(expression: Any) -> int | None:
+        return None if expression is None else int(expression.xreplace(hints)) if hasattr(expression, "xreplace") \
+            else int(expression)
+
+    def as_size(expression: Any, actual: int, where: Any) -> Any:
+        if expression is None or at_this_call(expression) != actual:
             symbol = shape_env.create_symbol(actual, where, do_not_specialize_zero_one=True)
-            symbols[traced.node.expr] = symbol
             return shape_env.create_symintnode(symbol, hint=actual)
+        if isinstance(expression, int):
+            return expression
+        return shape_env.create_symintnode(expression, hint=actual)
 
-    def hint(size: Any) -> int:
-        return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
-
-    if [hint(stride) for stride in value.stride()] == list(arg.stride()):
-        strides = [fresh(stride, actual, TensorPropertySource(source, TensorProperty.STRIDE, dim))
-                   for dim, (stride, actual) in enumerate(zip(value.stride(), arg.stride()))]
+    stride_sources = [TensorPropertySource(source, TensorProperty.STRIDE, dim) for dim in range(arg.dim())]
+    traced_strides = [written(stride) for stride in value.stride()]
+    if [at_this_call(stride) for stride in traced_strides] == list(arg.stride()):
+        strides = [as_size(stride, actual, where)
+                   for stride, actual, where in zip(traced_strides, arg.stride(), stride_sources)]
     else:
         order = sorted(range(arg.dim()), key=lambda dim: (arg.stride(dim), arg.shape[dim]))  # innermost first
-        strides = [0] * arg.dim()
+        dense: list[Any] = [0] * arg.dim()
         running: Any = 1
         for dim in order:
-            strides[dim] = running
+            dense[dim] = running
             running = running * sizes[dim]
-        if [hint(stride) for stride in strides] != list(arg.stride()):
-            raise UnsupportedRegion(f"an input with strides {tuple(arg.stride())} that are not dense")
-    actual_offset = arg.storage_offset()
-    traced_offset = value.storage_offset()
+        if [int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in dense] == list(arg.stride()):
+            strides = dense
+        else:  # neither: each stride that no expression gives a symbol of its own
+            strides = [as_size(stride, actual, where)
+                       for stride, actual, where in zip(traced_strides, arg.stride(), stride_sources)]
     offset_source = TensorPropertySource(source, TensorProperty.STORAGE_OFFSET)
-    if hint(traced_offset) == actual_offset:
-        offset = fresh(traced_offset, actual_offset, offset_source)
-    elif actual_offset == 0:
-        offset = 0
+    actual_offset = arg.storage_offset()
+    traced_offset = written(value.storage_offset())
+    if actual_offset == 0 and at_this_call(traced_offset) != 0:
+        offset: Any = 0
     else:
-        symbol = shape_env.create_symbol(actual_offset, offset_source, do_not_specialize_zero_one=True)
-        offset = shape_env.create_symintnode(symbol, hint=actual_offset)
+        offset = as_size(traced_offset, actual_offset, offset_source)
     return strides, offset
 
 
