@@ -56,6 +56,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = {"llama": ("llama-sdpa", 64), "dit": ("dit", 64)}  # zoo case, about this many tokens
+# Deeper builds of a zoo case's model (its inputs and loss): what compile time does with depth.
+DEEPER = {"llama8": ("llama-sdpa", 64, 8)}  # (zoo case, tokens, decoder layers)
+
+
+def deeper_case(model_name: str):
+    """The zoo case with its Hugging Face config's ``num_hidden_layers`` raised (``DEEPER``)."""
+    import dataclasses
+
+    from dcp_compile.testing.real_models import CASES, _LLAMA_LIKE, _transformers
+
+    case_name, _, layers = DEEPER[model_name]
+    factory = _transformers("LlamaForCausalLM", "LlamaConfig", "sdpa", **dict(_LLAMA_LIKE, num_hidden_layers=layers))
+    return dataclasses.replace(CASES[case_name], factory=factory)
 DCP_VARIANTS = ((2, "none"), (1, "none"), (2, "full"), (1, "attention"))  # the first is the first step
 
 
@@ -191,8 +204,12 @@ def worker(model_name: str, mode: str, inner: str, regions: bool = False) -> dic
     torch.set_num_threads(max(1, int(os.environ.get("COMPILE_TIME_THREADS", "1"))))
     from dcp_compile.testing.real_models import CASES
 
-    case_name, tokens = MODELS[model_name]
-    case = CASES[case_name]
+    if model_name in DEEPER:
+        case_name, tokens, _ = DEEPER[model_name]
+        case = deeper_case(model_name)
+    else:
+        case_name, tokens = MODELS[model_name]
+        case = CASES[case_name]
     model = case.build()
     if getattr(getattr(model, "config", None), "use_cache", False):
         model.config.use_cache = False  # training keeps no K/V cache (dcp warns, and gathers one, otherwise)
@@ -285,7 +302,8 @@ def markdown(results: list[dict], machine: str) -> str:
     ]
     by_key = {(r["model"], r["inner"], r["mode"], r.get("pass", 0)): r for r in results}
     passes = sorted({r.get("pass", 0) for r in results})
-    rows = [(m, i, p) for m in MODELS for i in sorted({r["inner"] for r in results}) for p in passes]
+    models = [m for m in [*MODELS, *DEEPER] if any(r["model"] == m for r in results)]
+    rows = [(m, i, p) for m in models for i in sorted({r["inner"] for r in results}) for p in passes]
     for model_name, inner, run in rows:
         plain, dcp = by_key.get((model_name, inner, "plain", run)), by_key.get((model_name, inner, "dcp", run))
         if plain is None or dcp is None:
@@ -302,7 +320,7 @@ def markdown(results: list[dict], machine: str) -> str:
                      f"{_cpu(dcp) / base:.2f}x | {further} | "
                      f"{plain['next_step_s']:.3f} / {dcp['next_step_s']:.3f} |")
     lines += ["", "Against the goal (every pass):", ""]
-    for model_name in MODELS:
+    for model_name in models:
         for inner in sorted({r["inner"] for r in results}):
             pairs = [(by_key.get((model_name, inner, "plain", p)), by_key.get((model_name, inner, "dcp", p))) for p in passes]
             pairs = [(a, b) for a, b in pairs if a and b and "error" not in a and "error" not in b]
@@ -373,7 +391,7 @@ def stage_table(results: list[dict], rows: list[tuple], by_key: dict) -> list[st
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=[*MODELS, *DEEPER])
     parser.add_argument("--inner", nargs="+", default=["inductor"], choices=["inductor", "aot_eager", "eager"])
     parser.add_argument("--repeats", type=int, default=2, help="passes; odd passes run dcp first (0 with --merge: "
                         "rewrite the report of earlier results)")
