@@ -17,6 +17,7 @@ import dcp_compile as dcp
 from dcp_compile.demo.example_models import TinyGPT
 from dcp_compile.compiler.passes.use_varlen_attention import CannotPack
 from dcp_compile.testing.process_world import run_in_process_world
+from dcp_compile.testing.sharding_checks import sharding_problems
 from model_zoo import ZOO
 
 PACKINGS = [(5, 9, 4), (7, 1, 6, 2, 3), (11,)]  # a length-1 sequence; a single sequence
@@ -80,6 +81,7 @@ def _packed_worker(rank, world_size, variants, packings=PACKINGS, options=None):
             if torch.allclose(crossing, expected_loss, rtol=1e-5, atol=1e-6):
                 problems.append(f"{lengths}: eager on the packed row matches the reference; the test is blind")
     record = dcp.explain(compiled, packed.input_ids, packed.labels, packed.position_ids)
+    problems += sharding_problems(record, 0)  # every SP>1 variant: every site sharded, no gather
     if len(record) != 1:
         problems.append(f"{len(record)} graphs: a new packing retraced the model")
     if problems:

@@ -225,7 +225,6 @@ class Dispatcher:
         self.compiled[(variant, scalars)] = compiled
         return compiled
 
-
     def regional(self, gm: fx.GraphModule, variant: Variant, variant_record: VariantRecord) -> Callable | None:
         """The variant as compiled regions shared with other variants (``options={"regions": True}``),
         or ``None`` where regions do not apply (the record says why)."""
