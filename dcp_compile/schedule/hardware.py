@@ -188,6 +188,22 @@ Hardware.H200 = H200
 Hardware.H100 = H100
 
 
+def preset_for_device_name(name: str) -> Hardware:
+    """The preset of a chip named by ``torch.cuda.get_device_name()`` (e.g. "NVIDIA H100 80GB HBM3").
+
+    Benchmarks that replay or price plans on a lent GPU must use that GPU's figures, not a fixed
+    H200: an "H200" or "H100" in the name (case-insensitive) gives that preset; any other name (a
+    CPU, an unknown GPU) gives :meth:`Hardware.detect`, the device this process actually runs on.
+    """
+    upper = name.upper()
+    if "H200" in upper:
+        return H200
+    if "H100" in upper:
+        return H100
+    log.info("no preset for device %r: using Hardware.detect()", name)
+    return Hardware.detect()
+
+
 def _torch_threads() -> int:
     try:
         import torch
