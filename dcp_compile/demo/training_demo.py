@@ -8,8 +8,10 @@
    work (every SP size, every recompute policy, packed rows) timed on a fake world at several
    lengths, fitted, and checked on lengths it did not fit. The ranks' profiles are merged point by
    point at the slowest, so all plan with the same numbers.
-2. **Compile** every variant once (one dynamo trace; every micro-batch is one packed row, see
-   ``dcp.pack_sequences``), so no compile lands in a timed step; then **measure communication**:
+2. **Compile** every variant again, up front (one dynamo trace; every micro-batch is one packed row,
+   see ``dcp.pack_sequences``), so no compile lands in a timed step. Step 1's compiles cannot be
+   reused: they ran on a fake one-process world as rank 0, and a compiled variant has its rank's
+   sequence chunk and its SP group's name built in. Then **measure communication**:
    ``all_to_all_single`` timed on the real world at the demo's message sizes (what the fake world
    of step 1 left out). On a CPU every time is each process's CPU time (see
    :mod:`.dedicated_cores`), so other programs on a shared machine do not move the comparison.
@@ -24,7 +26,10 @@
    baseline). The data is a short-dominated mix (:func:`long_tailed_lengths`).
 5. **Report**: measured tokens/s of both, the per-step paired ratio with its interval, the cost
    model's prediction and its error, and where the difference comes from (recompute and
-   communication, priced by the same model); the losses must agree to float rounding.
+   communication, priced by the same model); the losses must agree to float rounding. The run
+   ends with a verdict block (:func:`verdict_lines`): the ratio on the wall clock and on the
+   reconstructed CPU clock, each with its paired 95% interval, the prediction's error on each, and
+   the seed (``--seed`` draws the data and the initial weights).
 
 On CPU processes talking over gloo the sizes of the effects are this machine's; the mechanisms are
 the ones a GPU cluster has.
@@ -32,14 +37,18 @@ the ones a GPU cluster has.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import logging
 import math
 import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -292,6 +301,82 @@ def sp_sizes_for(world_size: int) -> list[int]:
     return sizes
 
 
+@dataclass(frozen=True)
+class StaticSP:
+    """The baseline's one setup: SP over the whole world with the fastest recompute policy under
+    which the longest sample fits ``memory_cap``, and micro-batches packed up to ``capacity`` tokens.
+
+    It is built from the DCP planner's own cost model and memory cap (:func:`build_setup`), so the
+    comparison is one budget: a baseline given more memory or a different price list would win or
+    lose for that reason, not for its schedule."""
+
+    cost_model: dcp.CostModel
+    memory_cap: float  # bytes per rank
+    world_size: int
+    policy: dcp.RecomputePolicy
+    capacity: int  # tokens per micro-batch
+
+    @classmethod
+    def fit(cls, cost_model: dcp.CostModel, memory_cap: float, world_size: int, longest: int = LONGEST) -> "StaticSP":
+        policy = cost_model.fastest_feasible_recompute(longest, world_size, memory_cap)
+        if policy is None:
+            raise ValueError(f"no recompute policy fits a {longest}-token sample on {world_size} ranks under "
+                             f"{memory_cap / 1e6:.1f} MB")
+        return cls(cost_model, memory_cap, world_size, policy, cost_model.token_capacity(world_size, policy, memory_cap))
+
+    @property
+    def variant(self) -> dcp.Variant:
+        return dcp.Variant(self.world_size, self.policy)
+
+
+def cost_model_digest(cost_model: dcp.CostModel) -> str:
+    """A short SHA-256 of the cost model's serialised form: equal digests, equal price lists (the
+    JSON shows the two schedulers planned with the same numbers without storing them twice)."""
+    text = json.dumps(cost_model.to_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class DemoSetup:
+    """Everything the demo decides before it trains: the data, the cost model, DCP's sampler and
+    static SP's setup. Built without a model or a world (:func:`build_setup`), so a unit test can
+    check that both schedulers share one budget without training."""
+
+    dataset: list[torch.Tensor]
+    lengths: list[int]
+    cost_model: dcp.CostModel
+    sampler: dcp.DataCentricSampler
+    static: StaticSP
+    sizes: list[int]
+
+    def memory_caps(self) -> dict[str, float]:
+        """Bytes per rank each scheduler planned under: DCP's planner and static SP."""
+        return {"dcp": float(self.sampler.planner.memory_cap), "static": float(self.static.memory_cap)}
+
+    def cost_model_digests(self) -> dict[str, str]:
+        return {"dcp": cost_model_digest(self.sampler.cost_model), "static": cost_model_digest(self.static.cost_model)}
+
+
+def build_setup(measured: Sequence[dict], link: tuple[float, float], world_size: int, rank: int, seed: int,
+                steps: int, tokens_per_step: int = TOKENS_PER_STEP, verify_plan: bool = False) -> DemoSetup:
+    """The data for ``seed``, the cost model (:func:`demo_cost_model`), DCP's sampler and static SP.
+
+    Static SP takes its cost model and memory cap from the sampler's planner, not from a second
+    computation, so the two cannot drift apart (``memory_fraction`` x capacity need not round back
+    to the same float as the cap it came from)."""
+    dataset = make_dataset(seed, (steps + 1) * tokens_per_step)
+    lengths = [len(s) for s in dataset]
+    cost_model, _ = demo_cost_model(measured, link, world_size)
+    sizes = sp_sizes_for(world_size)
+    sampler = dcp.DataCentricSampler(
+        lengths, tokens_per_step=tokens_per_step, cost_model=cost_model, memory_fraction=MEMORY_FRACTION,
+        seed=seed, world_size=world_size, rank=rank, verify_plan=verify_plan,
+        supervised_tokens=[n - 1 for n in lengths], max_sp_size=sizes[-1],
+    )
+    static = StaticSP.fit(sampler.cost_model, sampler.planner.memory_cap, world_size)
+    return DemoSetup(dataset, lengths, cost_model, sampler, static, sizes)
+
+
 def _load_average() -> str:
     try:
         return f"{os.getloadavg()[0]:.1f}"
@@ -486,15 +571,16 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
     if not measured:
         raise ValueError("train needs the ranks' compute profiles (profile_compute); run_demo measures them")
 
-    dataset = make_dataset(seed, (steps + 1) * tokens_per_step)
-    lengths = [len(s) for s in dataset]
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # the initial weights: --seed changes them, as it changes the data draw
     model = TinyGPT(VOCAB, HIDDEN, LAYERS, HEADS).to(device)
     initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # before any update
     compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": inner})
     sizes = sp_sizes_for(world_size)
 
     variants = [dcp.Variant(sp, policy) for sp in sorted(sizes, reverse=True) for policy in dcp.RecomputePolicy]
+    say(f"compiling again: dcp.profile compiled each variant on a one-rank fake world (as rank 0, fake SP groups, "
+        f"before this world existed); training compiles them on the real {world_size}-rank world, because a "
+        f"compiled variant has its rank's sequence chunk and its SP group's name built in")
     start = time.perf_counter()
     warm_up(compiled, model, variants, device)
     compile_seconds = _world_max(time.perf_counter() - start, device)
@@ -504,29 +590,24 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
 
     # -------------------------------------------------------------- cost model and the two setups
     link = measure_link(world_size, device)
-    cost_model, memory_cap = demo_cost_model(measured, link, world_size)
-    static_policy = cost_model.fastest_feasible_recompute(LONGEST, world_size, memory_cap)
-    static_capacity = cost_model.token_capacity(world_size, static_policy, memory_cap)
-    static_variant = dcp.Variant(world_size, static_policy)
+    setup = build_setup(measured, link, world_size, rank, seed, steps, tokens_per_step, verify_plan=distributed)
+    dataset, lengths, cost_model, sampler = setup.dataset, setup.lengths, setup.cost_model, setup.sampler
+    memory_cap = setup.static.memory_cap  # the planner's cap: one budget for both schedulers
+    static_policy, static_capacity, static_variant = setup.static.policy, setup.static.capacity, setup.static.variant
     summary_fit = cost_model.measured.held_out_summary()
     say(f"cost model: compute measured by dcp.profile on {cost_model.measured.device} ({len(measured)} processes at "
         f"once, each point its slowest; held-out error median {100 * summary_fit[0]:.0f}%, worst "
         f"{100 * summary_fit[1]:.0f}%), communication measured on this world (all_to_all_single of "
         f"{LINK_MESSAGE_BYTES[0] // 1024}-{LINK_MESSAGE_BYTES[-1] // 1024} KiB per rank: {1e6 * link[0]:.0f} us per all-to-all, "
         f"{link[1] / 1e9:.2f} GB/s), memory from the analytic model")
-    say(f"memory: a stand-in cap of {memory_cap / 1e6:.1f} MB per rank (this CPU has plenty; a GPU would not): the "
-        f"longest sample ({LONGEST} tokens) fits on all {world_size} ranks only with recompute={static_policy}; "
+    say(f"memory: a stand-in cap of {memory_cap / 1e6:.1f} MB per rank for both DCP and static SP (this CPU has "
+        f"plenty; a GPU would not): the longest sample ({LONGEST} tokens) fits on all {world_size} ranks only with "
+        f"recompute={static_policy}; "
         + ", ".join(f"SP {sp} holds {cost_model.token_capacity(sp, 'none', memory_cap)} tokens without recompute"
                     for sp in sizes))
-
-
-    sampler = dcp.DataCentricSampler(
-        lengths, tokens_per_step=tokens_per_step, cost_model=cost_model, memory_fraction=MEMORY_FRACTION,
-        seed=seed, verify_plan=distributed, supervised_tokens=[n - 1 for n in lengths], max_sp_size=sizes[-1],
-    )
     if len(sampler) < steps:
         raise RuntimeError(f"the dataset has only {len(sampler)} steps; asked for {steps}")
-    say(f"data: {len(dataset)} samples of {min(lengths)}..{max(lengths)} tokens (median "
+    say(f"data (seed {seed}): {len(dataset)} samples of {min(lengths)}..{max(lengths)} tokens (median "
         f"{sorted(lengths)[len(lengths) // 2]}), {tokens_per_step:,} tokens per step")
 
     # -------------------------------------------------------------- DCP and static SP, interleaved
@@ -611,9 +692,14 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
     if timings:
         say("")
         say("\n".join(prediction_by_kind(timings)))
-    return {
+    result = {
         "world_size": world_size,
+        "seed": seed,
+        "steps": len(dcp_results),
         "compile_seconds": compile_seconds,
+        # One budget: both schedulers planned under the same cap with the same cost model.
+        "memory_cap_bytes": setup.memory_caps(),
+        "cost_model_sha256": setup.cost_model_digests(),
         "dcp": [r.__dict__ for r in dcp_results],
         "static": [r.__dict__ for r in static_results],
         "max_loss_difference": summary["max_loss_difference"],
@@ -629,6 +715,8 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
         "static_policy": static_policy.value,
         "microbatch_timings": [t.__dict__ for t in timings],
     }
+    result["verdict"] = verdict_lines(result)
+    return result
 
 
 def warm_up(compiled, model: torch.nn.Module, variants: Sequence[dcp.Variant], device: torch.device) -> None:
@@ -766,6 +854,53 @@ def summarize(dcp_results: Sequence[StepResult], static_results: Sequence[StepRe
             "probed_prediction_errors": (dcp_error, static_error)}
 
 
+def reading(ratio: tuple[float, float, float], steps: int) -> str:
+    """What a paired interval says, in words: a difference only where the interval leaves 1.0."""
+    _, low, high = ratio
+    if steps < 2 or not (math.isfinite(low) and math.isfinite(high)):
+        return "no interval from one step (run --steps 2 or more)"
+    if low > 1.0:
+        return "DCP faster (interval above 1.0)"
+    if high < 1.0:
+        return "static SP faster (interval below 1.0)"
+    return "no significant difference (interval spans 1.0)"
+
+
+def verdict_lines(result: Mapping[str, Any]) -> list[str]:
+    """The demo's last lines: both clocks' DCP / static SP tokens/s ratio with its paired 95%
+    interval, the cost model's prediction and its error on each clock, the seed, and what it means.
+
+    Printed last (after every progress bar and log line) because the audit found the verdict
+    150 lines up, among compile logs, with the reconstructed CPU clock's ratio as the only one:
+    a reader who sees only the end must see the wall clock too, and which clock is which."""
+    steps = int(result["steps"])
+    wall, wall_paired = float(result["wall_speedup"]), tuple(result["wall_paired_speedup"])
+    cpu, cpu_paired = float(result["speedup"]), tuple(result["paired_speedup"])
+    predicted = float(result["predicted_speedup"])
+    reconstructed = result.get("clock") == Clock.PROCESS_CPU.value
+    second = ("CPU clock (reconstructed: per-micro-batch process CPU time composed into steps)" if reconstructed
+              else "device clock (each step's synchronised time, slowest rank)")
+    second_short = "CPU clock" if reconstructed else "device clock"
+
+    def ratio_line(label: str, total: float, paired: tuple) -> str:
+        return (f"{label}: {total:.2f}x; per step {paired[0]:.2f}x, 95% interval {paired[1]:.2f}-{paired[2]:.2f}x "
+                f"(paired over {steps} step{'s' if steps != 1 else ''})")
+
+    def error(measured: float) -> str:
+        return f"{100 * (predicted / measured - 1):+.0f}%" if measured > 0 and math.isfinite(measured) else "n/a"
+
+    return [
+        f"=== verdict: DCP / static SP tokens/s (seed {result['seed']}, {steps} steps, {result['world_size']} ranks; "
+        "above 1.00x DCP is faster) ===",
+        ratio_line("wall clock (each step's elapsed time on this machine, slowest rank)", wall, wall_paired),
+        ratio_line(second, cpu, cpu_paired),
+        f"cost model predicted {predicted:.2f}x (as planned): error {error(cpu)} against the {second_short} it was "
+        f"profiled on, {error(wall)} against the wall clock",
+        f"reading: wall clock: {reading(wall_paired, steps)}; {second_short}: {reading(cpu_paired, steps)}",
+        f"losses agree: max |DCP - static| = {float(result['max_loss_difference']):.1e} (the correctness check)",
+    ]
+
+
 def slowest_held_out(measured: Sequence[dict]) -> tuple[float, float] | None:
     """(median, worst) held-out error of the profile the ranks plan with (each point its slowest)."""
     from dcp_compile.schedule.measured_costs import MeasuredCosts, slowest_of
@@ -779,14 +914,30 @@ def _worker(rank: int, world_size: int, steps: int, inner: str, seed: int, measu
 
 def _write_json(path: str | None, result: dict) -> None:
     if path:
-        import json
-
         with open(path, "w") as handle:
             json.dump(result, handle, indent=1, default=str)
 
 
+def print_last(lines: Sequence[str]) -> None:
+    """Print ``lines`` as the run's last output: every logging handler and both streams are flushed
+    first, so no buffered log record or progress-bar redraw lands after them."""
+    loggers = [logging.getLogger()] + [logger for logger in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(logger, logging.Logger)]
+    for logger in loggers:
+        for handler in logger.handlers:
+            handler.flush()
+    sys.stderr.flush()
+    sys.stdout.flush()
+    print("\n" + "\n".join(lines), flush=True)
+
+
 def run_demo(world_size: int = 2, steps: int = 6, inner: str = "aot_eager", seed: int = 0,
              json_path: str | None = None) -> int:
+    """Profile, train and compare (see the module docstring); the verdict block is the last output.
+
+    Spawned locally, the verdict is printed by this parent process after every rank has exited (so
+    nothing of theirs can follow it). Under ``torchrun`` rank 0 prints it after a barrier that every
+    rank reaches when done and after the world is torn down; the other ranks print nothing after."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
@@ -795,21 +946,27 @@ def run_demo(world_size: int = 2, steps: int = 6, inner: str = "aot_eager", seed
         measured_here = profile_compute(world, inner, seed, progress=os.environ["RANK"] == "0",  # before the world
                                         device=f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu")
         dist.init_process_group(backend)
+        rank = dist.get_rank()
+        result: dict | None = None
         try:
             measured: list = [None] * world
             dist.all_gather_object(measured, measured_here)
-            result = train(dist.get_rank(), world, steps, inner, seed, measured=measured)
-            if dist.get_rank() == 0:
+            result = {**train(rank, world, steps, inner, seed, measured=measured),
+                      "profile_held_out": slowest_held_out(measured)}
+            if rank == 0:
                 _write_json(json_path, result)
+            dist.barrier()  # every rank done training before rank 0's verdict
         finally:
             dist.destroy_process_group()
+        if rank == 0 and result is not None:
+            print_last(result["verdict"])
         return 0
     import multiprocessing
 
     from dcp_compile.testing.process_world import run_in_process_world
 
     print(f"dcp demo: {world_size}-process gloo world (one CPU thread each), TinyGPT, {steps} steps of "
-          f"variable-length data, each trained with DCP plans and with static SP", flush=True)
+          f"variable-length data (seed {seed}), each trained with DCP plans and with static SP", flush=True)
     start = time.perf_counter()
     print(f"measuring compute: dcp.profile in {world_size} processes at once (every variant's per-rank work, "
           f"lengths {', '.join(map(str, PROFILE_LENGTHS))}, and {', '.join(map(str, PROFILE_HELD_OUT))} held out) ...",
@@ -818,6 +975,8 @@ def run_demo(world_size: int = 2, steps: int = 6, inner: str = "aot_eager", seed
         measured = pool.map(_profile_process, [(world_size, inner, seed, index == 0) for index in range(world_size)])
     print(f"... done in {time.perf_counter() - start:.0f} s", flush=True)
     results = run_in_process_world(_worker, world_size, steps, inner, seed, measured, timeout=1800)
-    _write_json(json_path, {**results[0], "profile_held_out": slowest_held_out(measured)})
+    result = {**results[0], "profile_held_out": slowest_held_out(measured)}
+    _write_json(json_path, result)
     print(f"total wall time {time.perf_counter() - start:.0f} s", flush=True)
+    print_last(result["verdict"])  # every rank has exited: nothing of theirs can follow
     return 0
