@@ -1,0 +1,139 @@
+"""The fair comparisons' workloads: length distributions from published statistics, read from
+``workloads.json`` (fixed there before any run: seeds, setups, sources, assumptions).
+
+``steps(distribution, seed, tokens_per_step, count, context_window)`` draws the steps every
+scheduler of a comparison trains (iso-batch): samples drawn with a seeded generator until a step
+holds ``tokens_per_step`` tokens (the last sample may overshoot). ``python benchmarks/workloads.py``
+prints each distribution's statistics beside its source's figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from planner import RESOLUTIONS, FRAMES, video_shape, _zipf_counts  # noqa: E402
+
+from dcp_compile.schedule.model_profile import video_attention_span  # noqa: E402
+
+WORKLOADS_FILE = Path(__file__).resolve().parent / "workloads.json"
+
+
+def load() -> dict[str, Any]:
+    return json.loads(WORKLOADS_FILE.read_text())
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step's samples: token lengths and attention spans (None: full attention)."""
+
+    lengths: list[int]
+    spans: list[float] | None
+
+
+class Distribution:
+    """Draws samples of one distribution of ``workloads.json``."""
+
+    def __init__(self, name: str, spec: dict[str, Any]) -> None:
+        self.name, self.spec, self.kind = name, spec, spec["kind"]
+        if self.kind == "opensora_buckets":
+            self._buckets = _opensora_buckets(spec["num_videos"], spec["image_multiple"])
+        elif self.kind not in ("mixture_exponential", "log_uniform_bins"):
+            raise ValueError(f"unknown distribution kind {self.kind!r} in {WORKLOADS_FILE}")
+
+    @property
+    def video(self) -> bool:
+        return self.kind == "opensora_buckets"
+
+    def document(self, rng: random.Random) -> tuple[int, float | None]:
+        """One document's (tokens, span) before the context window applies."""
+        spec = self.spec
+        if self.kind == "mixture_exponential":
+            categories = spec["categories"]
+            _, _, mean = rng.choices(categories, weights=[c[1] for c in categories])[0]
+            return max(spec["min_tokens"], int(round(rng.expovariate(1.0 / mean)))), None
+        if self.kind == "log_uniform_bins":
+            bins = spec["bins"]
+            low, high, _ = rng.choices(bins, weights=[b[2] for b in bins])[0]
+            return int(math.exp(rng.uniform(math.log(low), math.log(high)))), None
+        tokens, span = rng.choices(self._buckets[0], weights=self._buckets[1])[0]
+        return tokens, span
+
+    def samples(self, rng: random.Random, context_window: int) -> list[tuple[int, float | None]]:
+        """The samples one drawn document gives under ``context_window``."""
+        tokens, span = self.document(rng)
+        if tokens <= context_window:
+            return [(tokens, span)]
+        policy = self.spec["over_context"]
+        if policy == "truncate":
+            return [(context_window, None)]
+        if policy == "split":
+            chunks = [(context_window, None)] * (tokens // context_window)
+            if tokens % context_window:
+                chunks.append((tokens % context_window, None))
+            return chunks
+        return []  # "reject": a clip over the window is not trained by this setup
+
+
+def _opensora_buckets(num_videos: int, image_multiple: float) -> tuple[list[tuple[int, float]], list[int]]:
+    videos = sorted(((r, f) for r in RESOLUTIONS for f in FRAMES if f > 1), key=lambda b: math.prod(video_shape(*b)))
+    counts = _zipf_counts(videos, num_videos)
+    counts.update(_zipf_counts([(r, 1) for r in RESOLUTIONS], int(image_multiple * num_videos)))
+    population, weights = [], []
+    for bucket, count in counts.items():
+        frames, height, width = video_shape(*bucket)
+        population.append((frames * height * width, video_attention_span(frames, height, width)))
+        weights.append(count)
+    return population, weights
+
+
+def distribution(name: str) -> Distribution:
+    specs = load()["distributions"]
+    if name not in specs:
+        raise KeyError(f"no distribution {name!r} in {WORKLOADS_FILE}; it has {sorted(specs)}")
+    return Distribution(name, specs[name])
+
+
+def steps(dist: Distribution, seed: int, tokens_per_step: int, count: int, context_window: int) -> list[Step]:
+    """``count`` steps of at least ``tokens_per_step`` tokens each, drawn with ``seed``."""
+    rng = random.Random(f"{dist.name}/{seed}")
+    out, pending = [], []
+    for _ in range(count):
+        lengths: list[int] = []
+        spans: list[float] = []
+        while sum(lengths) < tokens_per_step:
+            if not pending:
+                pending = dist.samples(rng, context_window)
+                continue
+            tokens, span = pending.pop(0)
+            lengths.append(tokens)
+            spans.append(float(tokens) if span is None else span)
+        out.append(Step(lengths, spans if dist.video else None))
+    return out
+
+
+def _statistics() -> None:
+    rng_draws = 200_000
+    for name in load()["distributions"]:
+        dist = distribution(name)
+        rng = random.Random(0)
+        documents = [dist.document(rng)[0] for _ in range(rng_draws)]
+        total = sum(documents)
+        ordered = sorted(documents)
+        quantiles = {q: ordered[int(q * (len(ordered) - 1))] for q in (0.5, 0.8, 0.99, 0.9995)}
+        print(f"{name}: mean {total / len(documents):,.0f} tokens; quantiles " +
+              ", ".join(f"p{100 * q:g} {v:,}" for q, v in quantiles.items()))
+        if dist.kind == "log_uniform_bins":
+            for threshold in (131072, 2097152):
+                share = sum(d for d in documents if d >= threshold) / total
+                print(f"  tokens in documents >= {threshold:,}: {100 * share:.1f}%")
+
+
+if __name__ == "__main__":
+    _statistics()
