@@ -37,7 +37,11 @@ Reports tokens/s per schedule (total over the timed steps), the per-step ratio D
 (geometric mean, 95% t-interval), peak allocated memory per schedule (CUDA), the loss check (the
 three schedules' step losses must agree to rounding) and DCP / the better baseline against the 1.3x
 goal. ``--budget-s`` bounds the whole run: each model gets its share, and the number of timed steps
-is cut to what fits (stated). Writes ``single_gpu_<device>.md`` and ``.json`` to ``--out-dir``.
+is cut to what fits (stated). Writes ``single_gpu_<device>.md`` and ``.json`` to ``--out-dir``, rewritten
+after every timed step with a status line (``complete`` or ``partial: ... N of M timed steps``), so a
+run stopped by a signal (``timeout --signal=INT``) or a budget leaves a valid, partial page. The cost
+model prices communication with the preset of the device found
+(:func:`~dcp_compile.schedule.hardware.preset_for_device_name`).
 
     python benchmarks/single_gpu.py --out-dir $OUT                  # GPU (about 4 minutes)
     python benchmarks/single_gpu.py --tiny --out-dir /tmp/x          # CPU smoke run
@@ -441,8 +445,11 @@ def rank_check_host_time(call: Call, length: int, device: torch.device) -> dict:
 # One model
 # ---------------------------------------------------------------------------------------------
 def run_model(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, started: float,
-              deadline: float) -> dict:
+              deadline: float, on_step: Callable[[dict], None] | None = None) -> dict:
+    """One model's profile, plans, compiles and timed steps; ``on_step`` gets the summary so far after each
+    timed step (the caller rewrites its page with it, so a stopped run keeps its steps)."""
     import dcp_compile as dcp
+    from dcp_compile.schedule.hardware import preset_for_device_name
     from dcp_compile.schedule.planner import PlannerConfig
 
     torch._dynamo.reset()
@@ -455,8 +462,10 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, dtype: 
 
     say(started, f"{name}: dcp.profile (SP 1, recompute {'/'.join(PROFILED)}, lengths "
                  f"{', '.join(map(str, workload.profile_lengths))}; held out {', '.join(map(str, workload.held_out))})")
+    hardware = preset_for_device_name(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     cost_model = dcp.profile(model, workload.make_profile_inputs, lengths=workload.profile_lengths,
                              held_out=workload.held_out, sp_sizes=(1,), prior=workload.prior, recompute=PROFILED, causal=name == "llama",
+                             hardware=hardware,
                              inner=args.inner, packed=workload.packed, repeats=args.profile_repeats, progress=False)
     torch._dynamo.reset()  # the profile's traces count toward the model's recompile limit: drop them
     held = cost_model.measured.held_out_summary()
@@ -535,6 +544,9 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, dtype: 
         plans.append({s: [[list(b.indices), b.recompute] for b in schedules[s]] for s in SCHEDULES})
         say(started, f"{name}: step {step_index} ({results['dcp'][-1].tokens} tokens): " + ", ".join(
             f"{s} {results[s][-1].seconds:.3f} s loss {results[s][-1].loss:.5f}" for s in SCHEDULES))
+        if on_step is not None:
+            on_step(summarize(name, workload, results, cost_model, cap_text, static_policy, static_budget, table,
+                              parameters, compile_seconds, held, plans, dtype, {}))
     del weights, optimizers
     rank_check = {}
     if args.rank_check and planned:
@@ -599,11 +611,17 @@ def device_slug(device: torch.device) -> str:
 
 
 def write_report(models: list[dict], args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
-                 skipped: list[str], total_seconds: float) -> Path:
+                 skipped: list[str], total_seconds: float, status: str = "complete") -> Path:
+    """single_gpu_<device>.md and .json with every model (or model so far) in ``models``, headed by ``status``."""
     from dcp_compile.device_profile.device_timing import device_name, software_versions
+    from dcp_compile.device_profile.partial_results import DRY_RUN_LABEL, write_atomic
 
     versions = ", ".join(f"{k} {v}" for k, v in software_versions(device).items())
+    dry = args.tiny and device.type != "cuda"
+    label = [f"**{DRY_RUN_LABEL}** (`--tiny`: toy widths and lengths; it checks the script and measures nothing "
+             "worth reading).", ""] if dry else []
     lines = [f"# One device, real models: DCP at SP 1 against static and bucket schedules ({device_name(device)})", "",
+             *label, f"Status: {status}.", "",
              f"**Measured** on {device_name(device)} ({versions}), {str(dtype).removeprefix('torch.')}, AdamW, "
              f"inner compiler {args.inner}, {args.tokens_per_step:,} tokens per step, the same samples and loss weights "
              f"per step for every schedule, one step of each in turn from its own weights (the order rotating). "
@@ -646,7 +664,7 @@ def write_report(models: list[dict], args: argparse.Namespace, device: torch.dev
                   f"Ratio DCP / better baseline ({better}): {ratio[0]:.2f}x (95% interval {ratio[1]:.2f}-{ratio[2]:.2f}x); "
                   f"goal >= {GOAL}x: {'met' if met else 'not met'}.{reason}", ""]
     for name in skipped:
-        lines += [f"## {name}: not run (the time budget was spent)", ""]
+        lines += [f"## {name}: not run (the time budget was spent, or the run was stopped)", ""]
     checked = [m for m in models if m.get("rank_check")]
     if checked:
         lines += ["## The rank check's host time (issue 22 item 4)", "",
@@ -669,9 +687,10 @@ def write_report(models: list[dict], args: argparse.Namespace, device: torch.dev
     args.out_dir.mkdir(parents=True, exist_ok=True)
     slug = device_slug(device)
     path = args.out_dir / f"single_gpu_{slug}.md"
-    path.write_text("\n".join(lines))
-    (args.out_dir / f"single_gpu_{slug}.json").write_text(json.dumps(
-        {"device": device_name(device), "software": software_versions(device), "inner": args.inner,
+    write_atomic(path, "\n".join(lines))
+    write_atomic(args.out_dir / f"single_gpu_{slug}.json", json.dumps(
+        {"device": device_name(device), "software": software_versions(device), "status": status,
+         "dry_run": dry, "label": label[0] if label else "", "inner": args.inner,
          "dtype": str(dtype), "tokens_per_step": args.tokens_per_step, "layers": args.layers, "tiny": args.tiny,
          "skipped": skipped, "models": models}, indent=1, default=str))
     return path
@@ -707,19 +726,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     end = started + args.budget_s
     say(started, f"single-GPU benchmark on {device}: models {', '.join(args.models)}, {args.layers} layers, "
                  f"inner {args.inner}, budget {args.budget_s:.0f} s")
-    models, skipped = [], []
-    for position, name in enumerate(args.models):
-        left = end - time.perf_counter()
-        if left <= 0:
-            skipped.append(name)
-            say(started, f"{name}: skipped, the budget is spent")
-            continue
-        deadline = time.perf_counter() + left / (len(args.models) - position)
-        models.append(run_model(name, args, device, dtype, started, deadline))
-        write_report(models, args, device, dtype, skipped, time.perf_counter() - started)
-    path = write_report(models, args, device, dtype, skipped, time.perf_counter() - started)
+    from dcp_compile.device_profile.partial_results import Progress, interruptible
+
+    models: list[dict] = []
+    skipped: list[str] = []
+    current: list[dict] = []  # the model being run: its summary after its last timed step
+    progress = Progress(len(args.models) * args.steps, unit="timed steps (models x --steps)")
+
+    def flush() -> Path:
+        shown = models + current
+        left = [n for n in args.models if n not in {m["model"] for m in shown} and n not in skipped]
+        gone = skipped + (left if progress.stopped else [])
+        return write_report(shown, args, device, dtype, gone, time.perf_counter() - started, progress.status())
+
+    def on_step(summary: dict) -> None:
+        current[:] = [summary]
+        progress.done = sum(m["steps"] for m in models) + summary["steps"]
+        flush()
+
+    with interruptible(progress, flush):
+        for position, name in enumerate(args.models):
+            left = end - time.perf_counter()
+            if left <= 0:
+                skipped.append(name)
+                say(started, f"{name}: skipped, the budget is spent")
+                continue
+            deadline = time.perf_counter() + left / (len(args.models) - position)
+            models.append(run_model(name, args, device, dtype, started, deadline, on_step))
+            current.clear()
+            progress.done = sum(m["steps"] for m in models)
+            flush()
+    if progress.done < progress.total:
+        progress.stopped = f"--budget-s {args.budget_s:g} s: the timed steps were cut to fit, or a model did not start"
+    path = flush()
     print(path.read_text())
-    say(started, f"wrote {path}")
+    say(started, f"wrote {path} ({progress.status()})")
     return 0
 
 
