@@ -60,6 +60,8 @@ class Schedule:
     scheduler: str = "dcp"
     # Positions the scheduler discards instead of training (the published samplers' ``drop_last``).
     dropped: list[int] = field(default_factory=list)
+    # The planner keeps a baseline's plan when it is faster than its own: which one (else None).
+    chosen_from: str | None = None
 
     def rank_loads(self) -> list[float]:
         """Seconds each rank spends (the sum of its micro-batch times)."""

@@ -10,8 +10,9 @@ Blocks are numbered level by level: block ``block_offset[level] + k`` is ranks
 from __future__ import annotations
 
 import logging
+from typing import Collection
 
-from dcp_compile.variant import RECOMPUTE_POLICIES
+from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy
 
 from .analytic import ScoreLayout
 from .cost_model import CostModel
@@ -26,7 +27,9 @@ class PlanTables:
     ``max_sp_size``)."""
 
     def __init__(self, cost_model: CostModel, world_size: int, memory_cap: float, max_sp_size: int | None = None,
-                 max_tokens_per_rank: int | None = None, mixed_packing: bool = True) -> None:
+                 max_tokens_per_rank: int | None = None, mixed_packing: bool = True,
+                 sp_sizes: Collection[int] | None = None,
+                 recompute_policies: Collection[RecomputePolicy | str] | None = None) -> None:
         self.world_size = world_size
         self.mixed_packing = mixed_packing
         self.memory_cap = memory_cap
@@ -55,6 +58,18 @@ class PlanTables:
         # clip on 4 ranks pays its caption 4 times in rank-seconds, which is why it runs on 1.
         self.per_sequence = [[0.0] * policies for _ in sizes]
         self.capacity = [[0] * policies for _ in sizes]
+        # A size or policy left out holds no tokens: every phase then never places a sequence there
+        # (the restricted planners of an ablation, or of a scheduler that must not choose them).
+        allowed_sizes = set(sizes) if sp_sizes is None else {int(s) for s in sp_sizes}
+        allowed_policies = set(RECOMPUTE_POLICIES) if recompute_policies is None else {
+            RecomputePolicy.parse(p) for p in recompute_policies}
+        if not allowed_sizes & set(sizes):
+            raise ValueError(f"sp_sizes={sorted(allowed_sizes)} holds none of the SP sizes {sizes} of a world of "
+                             f"{world_size}; give powers of two up to the world size")
+        if not allowed_policies:
+            raise ValueError("recompute_policies is empty; give at least one policy")
+        self.allowed_sizes = tuple(size for size in sizes if size in allowed_sizes)
+        self.allowed_policies = tuple(policy for policy in RECOMPUTE_POLICIES if policy in allowed_policies)
         for j, size in enumerate(sizes):
             for p, policy in enumerate(RECOMPUTE_POLICIES):
                 coefficients = cost_model.time_coefficients(size, policy)
@@ -63,6 +78,8 @@ class PlanTables:
                 self.per_key[j][p] = coefficients.per_token_key
                 self.per_sequence[j][p] = coefficients.per_sequence
                 capacity = cost_model.token_capacity(size, policy, self.memory_cap)
+                if size not in allowed_sizes or policy not in allowed_policies:
+                    capacity = 0
                 if max_tokens_per_rank is not None:
                     capacity = min(capacity, max_tokens_per_rank * size)
                 self.capacity[j][p] = capacity

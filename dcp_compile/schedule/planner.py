@@ -58,7 +58,10 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy
+
 from .analytic import ScoreLayout
+from .baseline_candidates import best_of_baselines
 from .cost_model import CostModel
 from .exact_search import exact_search
 from .levels import choose_levels
@@ -95,6 +98,8 @@ class PlannerConfig:
     exact_search_max_sequences: int = 8
     exact_search_max_ranks: int = 8
     pack_equal_lengths_only: bool = False
+    sp_sizes: tuple[int, ...] | None = None
+    recompute_policies: tuple[RecomputePolicy, ...] | None = None
 
 
 class Planner(PlanTables):
@@ -124,7 +129,8 @@ class Planner(PlanTables):
         super().__init__(
             cost_model, world_size, memory_cap=self.config.memory_fraction * cost_model.hardware.memory_capacity,
             max_sp_size=self.config.max_sp_size, max_tokens_per_rank=self.config.max_tokens_per_rank,
-            mixed_packing=not self.config.pack_equal_lengths_only,
+            mixed_packing=not self.config.pack_equal_lengths_only, sp_sizes=self.config.sp_sizes,
+            recompute_policies=self.config.recompute_policies,
         )
 
     # ------------------------------------------------------------------ public API
@@ -162,7 +168,7 @@ class Planner(PlanTables):
                 and self.world_size <= self.config.exact_search_max_ranks
             ):
                 exact_search(state, self.config.exact_search_nodes)
-            return state.to_schedule()
+            return best_of_baselines(self, state.to_schedule(), lengths, keys, spans)
         finally:
             if collecting:
                 gc.enable()
@@ -192,7 +198,6 @@ class Planner(PlanTables):
         return max(total / self.world_size, longest)
 
     def no_fit_message(self, length: int) -> str:
-        largest = self.sizes[-1]
         static = self.cost_model.memory_coefficients(1, "full").fixed_bytes
         if static >= self.memory_cap:
             return (
@@ -201,10 +206,18 @@ class Planner(PlanTables):
                 "shard the optimizer state (CostModel(optimizer_shards=world size) for ZeRO-1), or check the "
                 "cost model's hardware and memory_fraction"
             )
+        # The group that holds the most is not always the largest one: a bigger group keeps more
+        # all-to-all buffers per token, so quote the best capacity and where it is.
+        best_level = max(range(self.levels), key=lambda j: (self.max_capacity[j], -j))
+        best_policy = RECOMPUTE_POLICIES[self.capacity[best_level].index(self.max_capacity[best_level])]
+        restricted = ""
+        if len(self.allowed_sizes) < self.levels or len(self.allowed_policies) < len(RECOMPUTE_POLICIES):
+            restricted = (f" (SP sizes {list(self.allowed_sizes)} and policies "
+                          f"{[p.value for p in self.allowed_policies]} allowed)")
         return (
-            f"a sequence of {length:,} tokens fits on no SP group: the largest group ({largest} ranks) "
-            f"holds at most {self.max_capacity[-1]:,} tokens under the memory cap of "
-            f"{self.memory_cap / 1e9:.1f} GB with full recompute"
+            f"a sequence of {length:,} tokens fits on no SP group: the most any group holds is "
+            f"{self.max_capacity[best_level]:,} tokens ({self.sizes[best_level]} ranks, recompute={best_policy.value}) "
+            f"under the memory cap of {self.memory_cap / 1e9:.1f} GB{restricted}"
             + (f" and max_tokens_per_rank={self.config.max_tokens_per_rank}" if self.config.max_tokens_per_rank else "")
             + "; split or truncate such samples, raise memory_fraction / max_tokens_per_rank, or use more ranks"
         )

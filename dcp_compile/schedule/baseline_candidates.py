@@ -1,0 +1,114 @@
+"""The planner never loses to a plan it could have made: the user baselines' plans as candidates.
+
+Static SP at one size with per-micro-batch recompute and Megatron's dynamic CP
+(:mod:`.user_baselines`) make plans that lie inside the planner's search space (aligned blocks,
+the same policies, the same cap), but its heuristics do not always find them: long text at 8
+ranks planned 1-2% slower than static SP 8. So after planning, each such plan is made too, and the
+fastest is kept. A candidate is only built when a lower bound on its makespan (its sequences'
+least work at its sizes, spread over the world, with no fixed cost) is below the planner's own
+makespan, which on large steps is almost never: the check costs one pass over the sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from typing import TYPE_CHECKING, Sequence
+
+from dcp_compile.variant import RECOMPUTE_POLICIES
+
+from .plan import Schedule
+from .plan_tables import EPSILON
+from .user_baselines import DYNAMIC_CP_THRESHOLD_SHARES, BalancedStaticSP, DynamicCP, gpus_needed
+
+if TYPE_CHECKING:
+    from .planner import Planner
+
+log = logging.getLogger(__name__)
+
+
+def _least_work(planner: "Planner", level: int, length: int, key: float, policies: Sequence[int]) -> tuple[float, float]:
+    """(rank-seconds, seconds alone) of one sequence at ``level`` under the fastest of ``policies``
+    that holds it alone, without the fixed cost; (inf, inf) where none does."""
+    row = planner.capacity[level]
+    feasible = [p for p in policies if length <= row[p]]
+    if not feasible:
+        return math.inf, math.inf
+    variable = min(planner.per_token[level][p] * length + planner.per_key[level][p] * key
+                   + planner.per_sequence[level][p] for p in feasible)
+    return planner.sizes[level] * variable, variable + min(planner.fixed[level][p] for p in feasible)
+
+
+def _makespan_bound(planner: "Planner", sizes_of: dict[tuple[int, float], int], distinct: Counter,
+                    policies: Sequence[int], tokens: int) -> float:
+    """No plan that runs each sequence at ``sizes_of[(length, key)]``'s level beats this: its least
+    work spread over the world (each micro-batch paying a fixed cost and holding at most its level's
+    capacity), or its longest sequence alone."""
+    world = planner.world_size
+    work = longest = 0.0
+    tokens_at: dict[int, int] = {}
+    for (length, key), count in distinct.items():
+        level = sizes_of[(length, key)]
+        rank_seconds, alone = _least_work(planner, level, length, key, policies)
+        work += count * rank_seconds
+        longest = max(longest, alone)
+        tokens_at[level] = tokens_at.get(level, 0) + count * length
+    for level, level_tokens in tokens_at.items():
+        capacity = max(planner.capacity[level][p] for p in policies)
+        work += planner.sizes[level] * min(planner.fixed[level][p] for p in policies) * -(-level_tokens // capacity)
+    return max(work / world, longest)
+
+
+def _dynamic_cp(planner: "Planner", longest: int, share: float, restrictions: dict) -> DynamicCP:
+    safe = DynamicCP(planner.cost_model, planner.world_size, planner.memory_cap, longest, **restrictions)
+    if share == 1.0:
+        return safe
+    return DynamicCP(planner.cost_model, planner.world_size, planner.memory_cap, longest, recompute=safe.policy,
+                     max_seqlen_per_rank=max(1, int(safe.max_seqlen_per_rank * share)), **restrictions)
+
+
+def best_of_baselines(planner: "Planner", schedule: Schedule, lengths: Sequence[int], keys: Sequence[float],
+                      spans: Sequence[float] | None) -> Schedule:
+    """``schedule``, or a baseline candidate's plan when that one has the smaller makespan."""
+    best, best_makespan = schedule, schedule.makespan
+    config = planner.config
+    world = planner.world_size
+    allowed_levels = [j for j, size in enumerate(planner.sizes) if size in planner.allowed_sizes]
+    allowed_policies = [p for p, policy in enumerate(RECOMPUTE_POLICIES) if policy in planner.allowed_policies]
+    restrictions = dict(policies=planner.allowed_policies, max_tokens_per_rank=config.max_tokens_per_rank)
+    longest = max(lengths)
+    candidates = []
+    tokens = sum(lengths)
+    distinct = Counter(zip(lengths, keys))  # steps repeat shapes (video buckets): price each once
+    for level in allowed_levels:
+        if _least_work(planner, level, longest, longest, allowed_policies)[0] == math.inf:
+            continue  # the longest sequence fits no allowed policy at this size
+        bound = _makespan_bound(planner, dict.fromkeys(distinct, level), distinct, allowed_policies, tokens)
+        if bound < best_makespan - EPSILON:
+            candidates.append(lambda level=level: BalancedStaticSP(
+                planner.cost_model, world, planner.memory_cap, planner.sizes[level], longest,
+                pack_equal_lengths_only=config.pack_equal_lengths_only, **restrictions))
+    if not config.pack_equal_lengths_only and len(allowed_levels) == planner.levels:
+        for share in DYNAMIC_CP_THRESHOLD_SHARES:  # the thresholds a user tries (comparison.py tunes over them)
+            candidates.append(lambda share=share: _dynamic_cp(planner, longest, share, restrictions))
+    for build in candidates:
+        try:
+            scheduler = build()
+            if isinstance(scheduler, DynamicCP):
+                level_of = {size: j for j, size in enumerate(planner.sizes)}
+                sizes_of = {shape: level_of[gpus_needed(shape[0], scheduler.max_seqlen_per_rank)] for shape in distinct}
+                policy = [RECOMPUTE_POLICIES.index(scheduler.policy)]
+                if _makespan_bound(planner, sizes_of, distinct, policy, tokens) >= best_makespan - EPSILON:
+                    continue
+            candidate = scheduler.schedule(lengths, spans)
+        except ValueError:  # the baseline cannot plan this step under the planner's restrictions
+            continue
+        makespan = candidate.makespan
+        if makespan < best_makespan - EPSILON:
+            log.debug("planner: %s's plan (%.4g s) beats the planned one (%.4g s)", scheduler.name, makespan, best_makespan)
+            for microbatch in candidate.microbatches:
+                microbatch.round = 0
+            best = Schedule(world, candidate.microbatches, scheduler="dcp", chosen_from=scheduler.name)
+            best_makespan = makespan
+    return best
