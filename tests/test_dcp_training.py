@@ -5,18 +5,21 @@
   micro-batch counts per rank, a rank with no micro-batch at all), each loss scaled by
   ``loss_scale`` and one ``dcp.sync_gradients`` per step, give the gradients (and, after SGD, the
   parameters) of one process computing the mean token loss over each step's global batch.
-* The demo (``python -m dcp_compile demo``) runs end to end.
+* The demo (``python -m dcp_compile demo``) runs end to end, and its verdict block is its last output.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import dcp_compile as dcp
-from dcp_compile.demo.training_demo import collate, run_demo
+from dcp_compile.demo.training_demo import collate
 from dcp_compile.demo.example_models import TinyGPT
 from dcp_compile.schedule.plan import Schedule, ScheduledMicroBatch
 from dcp_compile.testing.process_world import run_in_process_world
@@ -224,9 +227,16 @@ def test_right_padded_batch_loss_is_the_mean_token_loss_of_its_samples() -> None
 
 
 @pytest.mark.slow
-def test_demo_runs_end_to_end(capfd) -> None:
-    assert run_demo(world_size=2, steps=2) == 0
-    out = capfd.readouterr().out
+def test_demo_runs_end_to_end(tmp_path) -> None:
+    """``python -m dcp_compile demo`` as a user runs it, stdout and stderr in one stream (the order a
+    terminal shows): it trains, checks its losses, and its last lines are the verdict block."""
+    path = tmp_path / "demo.json"
+    done = subprocess.run([sys.executable, "-m", "dcp_compile", "demo", "--world-size", "2", "--steps", "2",
+                           "--seed", "1", "--json", str(path)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
+    out = done.stdout
+    assert done.returncode == 0, out[-5000:]
+    result = json.loads(path.read_text())
     assert out.count("step 0 (epoch 0) | rank 0 of 2") == 1 and "step 1 (epoch 0) | rank 0 of 2" in out
     assert "=== DCP vs static SP" in out
     difference = float(re.search(r"max \|DCP - static\| = (\d\.\d+e[+-]\d+)", out).group(1))
@@ -238,7 +248,31 @@ def test_demo_runs_end_to_end(capfd) -> None:
     assert "communication measured on this world" in out
     assert re.search(r"DCP trained \d+\.\d\dx the tokens/s of static SP .* predicted \d+\.\d\dx", table), table
     assert re.search(r"Step by step .*: \d+\.\d\dx, 95% interval", table), table
-    # Timed by each rank's CPU clock (load-proof), with the wall clock's ratio beside it.
     assert "process CPU time per micro-batch, composed along the plan" in table, table
     assert re.search(r"On the wall clock, .* \d+\.\d\dx, step by step \d+\.\d\dx", table), table
     assert re.search(r"^\s+dcp\s+\d\s+\w+\s+[\d+-]+\s+\d+", table[table.index("Where the prediction misses"):], re.MULTILINE), table
+    # Why variants compile twice is said where the second compile starts.
+    assert out.index("compiling again: dcp.profile compiled each variant on a one-rank fake world") < out.index(
+        "compiled TinyGPT")
+
+    # The verdict is the last output: nothing (no progress bar, log line or rank) prints after it.
+    verdict = result["verdict"]
+    assert 4 <= len(verdict) <= 10
+    assert [line for line in out.splitlines() if line.strip()][-len(verdict):] == verdict, out[-3000:]
+    assert out.rstrip("\n").endswith(verdict[-1])
+    assert "seed 1" in verdict[0] and "2 steps" in verdict[0]
+    wall = re.fullmatch(r"wall clock \(each step's elapsed time on this machine, slowest rank\): (\d+\.\d\d)x; per step "
+                        r"\d+\.\d\dx, 95% interval [\d.]+-[\d.]+x \(paired over 2 steps\)", verdict[1])
+    cpu = re.fullmatch(r"CPU clock \(reconstructed: per-micro-batch process CPU time composed into steps\): "
+                       r"(\d+\.\d\d)x; per step \d+\.\d\dx, 95% interval [\d.]+-[\d.]+x \(paired over 2 steps\)",
+                       verdict[2])
+    assert wall and cpu, verdict
+    assert float(wall.group(1)) == pytest.approx(result["wall_speedup"], abs=0.006)
+    assert float(cpu.group(1)) == pytest.approx(result["speedup"], abs=0.006)
+    assert re.fullmatch(r"cost model predicted \d+\.\d\dx \(as planned\): error [+-]\d+% against the CPU clock it "
+                        r"was profiled on, [+-]\d+% against the wall clock", verdict[3]), verdict
+    assert re.fullmatch(r"reading: wall clock: .+; CPU clock: .+", verdict[4]), verdict
+    # One budget, and the seed drew the run.
+    assert result["seed"] == 1 and result["steps"] == 2
+    assert result["memory_cap_bytes"]["dcp"] == result["memory_cap_bytes"]["static"] > 0
+    assert result["cost_model_sha256"]["dcp"] == result["cost_model_sha256"]["static"]

@@ -909,6 +909,18 @@ def slowest_held_out(measured: Sequence[dict]) -> tuple[float, float] | None:
 
 
 def _worker(rank: int, world_size: int, steps: int, inner: str, seed: int, measured: Sequence[dict]) -> dict:
+    """One rank of the spawned demo world.
+
+    tqdm's bars lock on a ``multiprocessing.RLock`` (a named semaphore) by default, even when
+    disabled; :func:`~dcp_compile.testing.process_world.run_in_process_world` ends its ranks with
+    SIGTERM once they have reported, before they can release it, and the resource tracker then
+    warns of leaked semaphores after the parent's last line, below the verdict. A thread lock is
+    all one process's bars need."""
+    import threading
+
+    from tqdm.std import tqdm  # the base class: every tqdm flavour (auto, asyncio) inherits its lock
+
+    tqdm.set_lock(threading.RLock())
     return train(rank, world_size, steps, inner, seed, measured=measured)
 
 
