@@ -11,7 +11,15 @@
   batch with KV heads already expanded for GQA (the pad/unpad and expansion copies are left out,
   which favors it).
 
-Writes a table to stdout and ``kernels_<gpu>.csv`` / ``kernels_<gpu>.png`` under ``--out-dir``.
+Writes a table to stdout and ``kernels_<gpu>.csv`` / ``kernels_<gpu>.png`` (and the varlen chooser's
+``varlen_choice_<gpu>.json``) under ``--out-dir``. The CSV and the chooser's table are rewritten after
+every case, each row's ``run`` column saying what the run is and how far it got (``complete`` or
+``partial: N of M cases``), so a run stopped by ``timeout --signal=INT`` leaves valid, partial files.
+
+``--tiny`` (the dry run of ``benchmarks/gpu_check.sh``) runs that GPU path on the CPU at toy shapes:
+Triton interpreted, FlexAttention uncompiled, a wall-clock timer instead of ``do_bench``. Its files are
+``kernels_cpu.*`` and ``varlen_choice_cpu.json``, labelled "dry run on CPU": they check the script,
+and their times mean nothing.
 
 Without a GPU there is nothing meaningful to time: it says so and runs a correctness-only pass
 (small shapes, Triton interpreter against the torch references), prints that table and exits 0
@@ -31,7 +39,9 @@ import logging
 import math
 import os
 import re
+import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -39,6 +49,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from dcp_compile.device_profile.partial_results import DRY_RUN_LABEL, Progress, interruptible, write_atomic
 from dcp_compile.kernels import ulysses_layout_reference as layout_reference
 from dcp_compile.kernels import varlen_attention_reference as attention_reference
 from dcp_compile.kernels.dispatch import ENV_VAR, triton_available
@@ -139,6 +150,18 @@ class AttentionCase:
 # --------------------------------------------------------------------------- shapes
 
 
+def tiny_layout_cases() -> list[LayoutCase]:
+    """The correctness pass's shapes: what the interpreter runs in a second or two."""
+    return [LayoutCase("H6 P2", 2, 6, 5, 16, 2, 3), LayoutCase("KV2 GQA P4", 1, 2, 6, 16, 4, 1, (0, 0, 1, 1))]
+
+
+def tiny_attention_cases() -> list[AttentionCase]:
+    """Packed rows of a few dozen tokens, each pattern causal and full (the dry run's cases)."""
+    return [AttentionCase(f"{label} T={sum(lengths)} {'causal' if causal else 'full'} Hq4/Hkv2 D16", lengths, 4, 2, 16,
+                          causal)
+            for label, lengths in (("4 docs", (8, 8, 8, 8)), ("skewed docs", (1, 17, 40))) for causal in (True, False)]
+
+
 def layout_cases(quick: bool) -> list[LayoutCase]:
     """Ulysses on 8 ranks with Llama-like heads; quick keeps one sequence length."""
     seqs = (4096,) if quick else (4096, 16384)
@@ -212,10 +235,30 @@ def peak_tflops(device_name: str, override: Optional[float]) -> float:
     return float("nan")
 
 
+# Set by ``--tiny``: time with the wall clock (the dry run on a CPU, where do_bench has no device to time).
+_WALL_CLOCK = False
+
+
 def _bench_ms(fn: Callable[[], Any], grad_to_none: Optional[Sequence[torch.Tensor]] = None) -> float:
+    if _WALL_CLOCK:
+        return _wall_clock_ms(fn, grad_to_none)
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def _wall_clock_ms(fn: Callable[[], Any], grad_to_none: Optional[Sequence[torch.Tensor]] = None,
+                   repeats: int = 3) -> float:
+    """Median of a few wall-clock calls after one warm-up: enough to exercise the dry run's code path."""
+    times = []
+    for index in range(repeats + 1):
+        for leaf in grad_to_none or ():
+            leaf.grad = None
+        start = time.perf_counter()
+        fn()
+        if index:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def measure_copy_bandwidth(device: torch.device, gib: float = 1.0) -> float:
@@ -292,8 +335,10 @@ def _padded(t: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True).transpose(1, 2).contiguous()
 
 
-def _attention_impls(case: AttentionCase, dtype: torch.dtype, device: torch.device, with_flex: bool):
-    """(impl name, forward fn, leaves) for dcp varlen, padded SDPA and (optionally) FlexAttention."""
+def _attention_impls(case: AttentionCase, dtype: torch.dtype, device: torch.device, with_flex: bool,
+                     compile_flex: bool = True):
+    """(impl name, forward fn, leaves) for dcp varlen, padded SDPA and (optionally) FlexAttention
+    (``compile_flex=False``: eager FlexAttention, the dry run's, which Inductor need not build on a CPU)."""
     gen = torch.Generator(device=device).manual_seed(0)
     t = case.total
     q = torch.randn(t, case.hq, case.dim, device=device, dtype=dtype, generator=gen)
@@ -343,8 +388,9 @@ def _attention_impls(case: AttentionCase, dtype: torch.dtype, device: torch.devi
         return same & (q_idx >= kv_idx) if causal else same
 
     block_mask = create_block_mask(document_mask, 1, None, t, t, device=device)
-    flex = torch.compile(flex_attention, dynamic=False)
-    flex_leaves = [x.transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for x in (q, k, v)]
+    flex = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention
+    # FlexAttention has no backward on a CPU: there (the dry run) it is timed forward only.
+    flex_leaves = [x.transpose(0, 1).unsqueeze(0).contiguous().requires_grad_(device.type != "cpu") for x in (q, k, v)]
     yield ("torch FlexAttention doc-mask",
            lambda: flex(*flex_leaves, block_mask=block_mask, enable_gqa=case.hq != case.hkv),
            flex_leaves)
@@ -352,6 +398,7 @@ def _attention_impls(case: AttentionCase, dtype: torch.dtype, device: torch.devi
 
 def bench_attention(
     cases: list[AttentionCase], dtype: torch.dtype, device: torch.device, peak: float, with_flex: bool = True,
+    compile_flex: bool = True,
 ) -> list[TimingRecord]:
     records = []
     for case in cases:
@@ -360,7 +407,7 @@ def bench_attention(
         torch._dynamo.reset()
         fwd_flops = case.useful_fwd_flops()
         timed: list[tuple[str, str, float, float]] = []
-        for impl, fn, leaves in _attention_impls(case, dtype, device, with_flex):
+        for impl, fn, leaves in _attention_impls(case, dtype, device, with_flex, compile_flex):
             out = fn()
             grad = torch.randn_like(out)
 
@@ -369,8 +416,10 @@ def bench_attention(
 
             with forced_backend("triton"):
                 t_fwd = _bench_ms(fn)
-                t_all = _bench_ms(fwd_bwd, grad_to_none=leaves)
-            timed += [(impl, "fwd", t_fwd, fwd_flops), (impl, "fwd+bwd", t_all, 3.5 * fwd_flops)]
+                t_all = _bench_ms(fwd_bwd, grad_to_none=leaves) if out.requires_grad else float("nan")
+            timed.append((impl, "fwd", t_fwd, fwd_flops))
+            if out.requires_grad:  # not so for FlexAttention on a CPU (no backward there)
+                timed.append((impl, "fwd+bwd", t_all, 3.5 * fwd_flops))
             log.info("%s %s: fwd %.3f ms, fwd+bwd %.3f ms", impl, case.name, t_fwd, t_all)
         baseline = {d: ms for impl, d, ms, _ in timed if impl == "torch SDPA padded"}
         for impl, direction, ms, flops in timed:
@@ -385,10 +434,11 @@ IMPL_KEYS = {"dcp-triton varlen": "triton", "torch SDPA padded": "padded_sdpa", 
 
 
 def write_choice_table(records: Sequence[TimingRecord], cases: Sequence[AttentionCase], device_name: str,
-                       path: Path) -> list[str]:
+                       path: Path, label: str = "", status: str = "complete") -> list[str]:
     """The varlen chooser's measured table (forward+backward ms per implementation and case, with
     the GPU, torch and Triton versions), and one verdict line per case: the chosen path against
-    FlexAttention, and against padded SDPA where padding exceeds 10%."""
+    FlexAttention, and against padded SDPA where padding exceeds 10%. ``label`` and ``status`` say
+    what the run was (a dry run says so) and how far it got."""
     import json
 
     import triton
@@ -412,11 +462,13 @@ def write_choice_table(records: Sequence[TimingRecord], cases: Sequence[Attentio
         if sdpa and padding > 0.10:
             verdict += f", {sdpa / chosen[1]:.2f}x padded SDPA's ({'ok' if chosen[1] <= sdpa * 1.02 else 'SLOWER'})"
         lines.append(verdict)
-    path.write_text(json.dumps({
+    write_atomic(path, json.dumps({
         "device": device_name, "torch": torch.__version__, "triton": triton.__version__,
+        "label": label, "status": status,
         "source": f"benchmarks/kernel_benchmarks.py ({path.name})",
-        "measured": "forward+backward milliseconds, triton.testing.do_bench; padded SDPA on an already padded batch, "
-                    "FlexAttention with its block mask built outside the clock",
+        "measured": ("forward+backward milliseconds, a wall-clock median of 3 calls (the dry run: they mean nothing)"
+                     if _WALL_CLOCK else "forward+backward milliseconds, triton.testing.do_bench")
+                    + "; padded SDPA on an already padded batch, FlexAttention with its block mask built outside the clock",
         "cases": rows}, indent=1))
     return lines
 
@@ -496,13 +548,18 @@ def format_table(rows: Sequence[Any]) -> str:
     return "\n".join([line(names), line(["-" * w for w in widths]), *(line(c) for c in cells)])
 
 
-def write_csv(rows: Sequence[Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[fl.name for fl in dataclasses.fields(rows[0])])
-        writer.writeheader()
-        for r in rows:
-            writer.writerow(dataclasses.asdict(r))
+def write_csv(rows: Sequence[Any], path: Path, run: Optional[str] = None) -> None:
+    """The rows as CSV; ``run`` (what the run is and how far it got) goes in a last column of every row,
+    so a partial or dry-run file says so wherever it is read. No rows: the header of the timing table."""
+    import io
+
+    names = [fl.name for fl in dataclasses.fields(rows[0] if rows else TimingRecord)]
+    stream = io.StringIO(newline="")
+    writer = csv.DictWriter(stream, fieldnames=names + (["run"] if run is not None else []))
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({**dataclasses.asdict(r), **({"run": run} if run is not None else {})})
+    write_atomic(path, stream.getvalue())
 
 
 def plot(records: Sequence[TimingRecord], path: Path, title: str) -> bool:
@@ -557,17 +614,25 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="dense 16-bit peak of the device, if it is not in the built-in table")
     parser.add_argument("--no-flex", action="store_true", help="skip the FlexAttention baseline (saves its compiles)")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the GPU path on the CPU at toy shapes, interpreted Triton, a wall-clock timer (the dry "
+                             "run of gpu_check.sh: files labelled 'dry run on CPU', times meaningless)")
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    global _WALL_CLOCK
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not triton_available():
         print("triton is not installed: the dcp kernels run their torch references only, nothing to "
               "benchmark or check. Install it with pip install 'dcp-compile[triton]'.")
         return 0
-    if not torch.cuda.is_available():
+    if args.tiny:
+        device, name, dtype = torch.device("cpu"), "cpu", torch.float32  # the interpreter: fp32 (bf16 tl.dot is wrong there)
+        _WALL_CLOCK = True
+        print(f"{DRY_RUN_LABEL}: the GPU path at toy shapes, Triton interpreted, wall-clock timer (times mean nothing)")
+    elif not torch.cuda.is_available():
         print("No CUDA GPU found: skipping timings (they would be meaningless on CPU) and running a "
               "correctness-only pass of the Triton kernels under the interpreter, at small shapes.\n")
         checks = correctness_pass()
@@ -575,32 +640,60 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         failed = [c for c in checks if not c.ok]
         print(f"\n{len(checks) - len(failed)}/{len(checks)} checks passed.")
         return 1 if failed else 0
-
-    device = torch.device("cuda")
-    name = torch.cuda.get_device_name(device)
-    dtype = getattr(torch, args.dtype)
+    else:
+        device = torch.device("cuda")
+        name = torch.cuda.get_device_name(device)
+        dtype = getattr(torch, args.dtype)
     print(f"Device: {name}")
+    layouts = (tiny_layout_cases() if args.tiny else layout_cases(args.quick)) if args.only in ("layout", "all") else []
+    attention = ((tiny_attention_cases() if args.tiny else attention_cases(args.quick))
+                 if args.only in ("attention", "all") else [])
+    progress = Progress(len(layouts) + len(attention), unit="cases")
+    label = DRY_RUN_LABEL if args.tiny else f"measured on {name}"
+    stem = f"kernels_{gpu_slug(name)}"
+    csv_path = args.out_dir / f"{stem}.csv"
+    table_path = args.out_dir / f"varlen_choice_{gpu_slug(name)}.json"
     records: list[TimingRecord] = []
-    if args.only in ("layout", "all"):
-        copy_gbps = measure_copy_bandwidth(device)
-        print(f"Measured copy bandwidth ceiling: {copy_gbps:.0f} GB/s")
-        records += bench_layouts(layout_cases(args.quick), dtype, device, copy_gbps)
-    if args.only in ("attention", "all"):
-        peak = peak_tflops(name, args.peak_tflops)
-        print(f"Dense 16-bit peak used for percentages: {_fmt(peak)} TFLOP/s")
-        records += bench_attention(attention_cases(args.quick), dtype, device, peak, with_flex=not args.no_flex)
 
+    def flush(final: bool = False) -> list[str]:
+        """Rewrite the CSV (and the chooser's table) with every case timed so far; the plot at the end."""
+        status = progress.status()
+        write_csv(records, csv_path, run=f"{label}; {status}")
+        verdicts: list[str] = []
+        if attention:
+            timed = attention[:max(0, progress.done - len(layouts))]
+            verdicts = write_choice_table(records, timed, name, table_path, label, status)
+        if final and not args.no_plot and records:
+            plot(records, args.out_dir / f"{stem}.png", f"dcp kernels on {name} ({str(dtype).removeprefix('torch.')})"
+                 + (f": {DRY_RUN_LABEL}" if args.tiny else "") + ("" if progress.complete else f" ({status})"))
+        return verdicts
+
+    flush()
+    with interruptible(progress, lambda: flush(final=True)):
+        if layouts:
+            copy_gbps = measure_copy_bandwidth(device, gib=1 / 256 if args.tiny else 1.0)
+            print(f"Measured copy bandwidth ceiling: {copy_gbps:.0f} GB/s")
+            for case in layouts:
+                records += bench_layouts([case], dtype, device, copy_gbps)
+                progress.done += 1
+                flush()
+        if attention:
+            peak = peak_tflops(name, args.peak_tflops)
+            print(f"Dense 16-bit peak used for percentages: {_fmt(peak)} TFLOP/s")
+            for case in attention:
+                records += bench_attention([case], dtype, device, peak, with_flex=not args.no_flex,
+                                           compile_flex=not args.tiny)
+                progress.done += 1
+                flush()
+
+    verdicts = flush(final=True)
     print()
     print(format_table(records))
-    stem = f"kernels_{gpu_slug(name)}"
-    if args.only in ("attention", "all"):
-        table_path = args.out_dir / f"varlen_choice_{gpu_slug(name)}.json"
-        print("\n".join(write_choice_table(records, attention_cases(args.quick), name, table_path)))
+    if attention:
+        print("\n".join(verdicts))
         print(f"wrote {table_path} (copy it to dcp_compile/kernels/ for the varlen path to choose by it)")
-    csv_path = args.out_dir / f"{stem}.csv"
-    write_csv(records, csv_path)
-    print(f"\nwrote {csv_path}")
-    if not args.no_plot and plot(records, args.out_dir / f"{stem}.png", f"dcp kernels on {name} ({args.dtype})"):
+    print(f"\nwrote {csv_path} ({progress.status()})")
+    if not args.no_plot and (args.out_dir / f"{stem}.png").exists():
         print(f"wrote {args.out_dir / f'{stem}.png'}")
     return 0
 

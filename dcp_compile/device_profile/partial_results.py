@@ -77,7 +77,8 @@ def _raise_stopped(signum: int, frame: FrameType | None) -> None:
 def interruptible(progress: Progress, flush: Callable[[], None]) -> Iterator[Progress]:
     """Run the block; on SIGINT or SIGTERM mark ``progress`` stopped, call ``flush`` (which rewrites
     the tables with ``progress.status()``) and exit with 128 + the signal's number, so the caller
-    sees a stopped run and still finds a valid, partial table."""
+    sees a stopped run and still finds a valid, partial table. An exception is marked and flushed the
+    same way, then raised again."""
     previous = signal.getsignal(signal.SIGTERM)
     previous_int = signal.getsignal(signal.SIGINT)
     in_main_thread = True
@@ -97,6 +98,10 @@ def interruptible(progress: Progress, flush: Callable[[], None]) -> Iterator[Pro
         flush()
         print(f"stopped by {name}: wrote what was measured ({progress.status()})", file=sys.stderr, flush=True)
         raise SystemExit(128 + (signal.SIGTERM if name == "SIGTERM" else signal.SIGINT)) from None
+    except Exception as error:  # a failing case: the tables say where it stopped and why, then the error goes on
+        progress.stopped = f"error: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        flush()
+        raise
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
