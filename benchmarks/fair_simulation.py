@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -56,6 +55,13 @@ def run_configuration(setup: dict[str, Any], fraction: float, world: int, name: 
     else:
         context = setup["context_window"][str(world)]
         per_rank = setup["tokens_per_rank"]
+    row = {"memory_fraction": fraction, "world": world, "distribution": name, "model": model, "seed": seed,
+           "context_window": context}
+    if context <= 0 or max(planner.max_capacity) < context:
+        static = cost_model.memory_coefficients(1, "full").fixed_bytes
+        return {**row, "families": {}, "ablation": {},
+                "no_fit": (f"no plan fits: the model state ({static / 1e9:.1f} GB) leaves {max(planner.max_capacity):,} "
+                           f"tokens under the {budget.memory_cap / 1e9:.0f} GB cap, the context window is {context:,}")}
     steps = workloads.steps(dist, seed, per_rank * world, setup["steps"], context)
     pairs = [(s.lengths, s.spans) for s in steps]
     families, ablation = plan_run(budget, pairs, context)
@@ -74,8 +80,7 @@ def run_configuration(setup: dict[str, Any], fraction: float, world: int, name: 
         }
 
     return {
-        "memory_fraction": fraction, "world": world, "distribution": name, "model": model, "seed": seed,
-        "context_window": context, "tokens": tokens, "samples": sum(len(s.lengths) for s in steps),
+        **row, "tokens": tokens, "samples": sum(len(s.lengths) for s in steps),
         "steps": len(steps), "sync_s": step_time(families["dcp"].schedules[0], steps[0].lengths, cost_model).sync,
         "bound_s": bound,
         "families": {family: measured(c) for family, c in families.items()},
@@ -120,6 +125,8 @@ def report(rows: list[dict[str, Any]], setup: dict[str, Any], elapsed: float) ->
         "DCP % of its bound |",
         "|---:|---:|---|---|---|---|---:|",
     ]
+    no_fit = sorted({(r["memory_fraction"], r["world"], r["distribution"], r["no_fit"]) for r in rows if "no_fit" in r})
+    rows = [r for r in rows if "no_fit" not in r]
     keys = sorted({(r["memory_fraction"], r["world"], r["distribution"]) for r in rows}, key=lambda k: (-k[0], k[1], k[2]))
     for fraction, world, name in keys:
         group = [r for r in rows if (r["memory_fraction"], r["world"], r["distribution"]) == (fraction, world, name)]
@@ -134,7 +141,9 @@ def report(rows: list[dict[str, Any]], setup: dict[str, Any], elapsed: float) ->
             bounds.append(100 * r["bound_s"] / r["families"]["dcp"]["compute_s"])
         lines.append(f"| {fraction} | {world} | {name} | {', '.join(dict.fromkeys(best_names))} | {_spread(ratios)} | "
                      f"{_spread(ratios_overlapped)} | {min(bounds):.0f}-{max(bounds):.0f}% |")
-    lines += ["", "'% of its bound': the planner's lower bound on the compute makespan over DCP's compute makespan.", "",
+    lines += ["", "'% of its bound': the planner's lower bound on the compute makespan over DCP's compute makespan."]
+    lines += [""] + [f"- cap {f}, {w} ranks, {n}: {reason} (no scheduler trains it)" for f, w, n, reason in no_fit]
+    lines += ["",
               "## Every family (tokens/s, unoverlapped step, median over seeds; DCP / family)", "",
               "| cap | ranks | distribution | " + " | ".join(("dcp",) + BASELINE_FAMILIES) + " |",
               "|---:|---:|---|" + "---:|" * (1 + len(BASELINE_FAMILIES))]

@@ -1,34 +1,30 @@
-"""Plans replayed on measured compute: DCP against static SP, bucket parallel and DCP-inter at 8 and 32 ranks.
+"""Plans replayed on measured compute: DCP against every baseline under one budget, all-reduce in the step.
 
-Every scheduler plans the same steps (the same samples per optimizer step, iso-batch) with the
-same cost model, measured by ``dcp.profile`` on this device. Then each plan is *replayed*: every
-micro-batch of every rank is run on this device at its per-rank shapes (the compiled variant of
-its SP size and recompute policy, on a one-process fake world, so the time is the rank's compute
-alone; every distinct micro-batch of every plan is timed in rounds over all of them, in a shuffled
-order, median of ``--repeats``, so a slow phase of a shared machine hits every scheduler alike),
-and each rank's busy time is the sum of its micro-batches' measured times plus their modelled
-all-to-alls. A step takes its slowest rank. The gradient all-reduce (one per step for
-every scheduler, iso-batch) is left out of the step and shown beside it: on a CPU stand-in it is
-out of proportion (a toy model's gradient over links slowed to the CPU's speed).
+Workloads, seeds, worlds, step sizes and the model come from ``benchmarks/workloads.json`` (setup
+``replay_cpu``, ``replay_gpu`` on CUDA, ``replay_tiny`` with ``--tiny``), fixed before any run. For
+each world, distribution and seed, every scheduler of
+:func:`dcp_compile.schedule.comparison.contenders` plans the same steps under one
+:class:`~dcp_compile.schedule.comparison.Budget` (the same profiled cost model, the same memory cap),
+each baseline family tuned on those steps by the cost model, DCP not tuned; the ablation ladder
+splits DCP's gain over static SP.
 
-Labels: compute **measured** (this device, named in the results), communication **modelled**:
-on a GPU the H200 preset (NVLink 4: 450 GB/s one way per GPU inside a node of 8, NVIDIA's H200 SXM
-datasheet; one 400 Gb/s InfiniBand NDR NIC per GPU across nodes, 50 GB/s), on a CPU the same link
-bandwidths slowed by this CPU's measured matmul speed over the H200's dense bf16 peak (989 TFLOP/s),
-so that bytes weigh against compute as they would on the cluster (latencies stay the preset's). Each table shows the
-communication band: the whole replay again with every link 1.5x faster and 1.5x slower (+-50%
-bandwidth).
+Then each plan is *replayed*: every distinct per-rank micro-batch of every plan runs on this device
+at its per-rank shapes (the compiled variant of its SP size and policy, on a one-process fake
+world, so the time is the rank's compute alone), timed in rounds over all of them in a shuffled
+order (median of ``repeats``), on two clocks: the process CPU time (one thread; what a shared CPU
+cannot disturb) and the wall clock. A rank's time is its micro-batches' measured compute plus their
+modelled all-to-alls; a step is its slowest rank plus the gradient all-reduce, unoverlapped (what
+``dcp.sync_gradients`` does) and overlapped as DDP buckets it (:mod:`dcp_compile.schedule.step_time`).
 
-The model: a GPT-style decoder (``dcp_compile.demo.example_models.TinyGPT``: RoPE, causal SDPA,
-cross-entropy; packed rows, varlen attention), at width 128 x 2 layers on a CPU and width 2048 x
-4 layers (16 heads, a Llama-1B-wide block stack) on a GPU; samples are a long-tailed text mix (a
-Zipf mix of lengths from ``--shortest`` to ``--longest``). Memory is a stand-in on a CPU: the
-longest sample fits on 4 ranks with full recompute within the published profiler's share of
-memory, as device memory forces on the cluster; on a GPU it is the device's (measured activation
-peaks from the profile).
+Labels: compute **measured** (this device, named in the results), communication **modelled**: on a
+GPU from the preset of the GPU found (``preset_for_device_name``); on a CPU the H100 preset's link
+bandwidths slowed by this CPU's measured matmul rate over the H100's dense bf16 peak, so that bytes
+weigh against compute as they would on the cluster (latencies stay the preset's). Memory is a
+stand-in on a CPU (the context-window sample fits on 4 ranks with full recompute under the cap).
 
-Writes ``benchmarks/results/replay_<device>.md`` and ``.json``. Run:
-``PYTHONPATH=. python benchmarks/replay.py [--steps 3] [--worlds 8 32]``.
+Tables are rewritten after every (world, distribution, seed) block, each saying how far the run got;
+SIGINT/SIGTERM leave a partial table. Writes ``replay_<device>.md`` / ``.json``. Run:
+``PYTHONPATH=. python benchmarks/replay.py [--tiny] [--device cuda]``.
 """
 
 from __future__ import annotations
@@ -42,87 +38,62 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-import dcp_compile as dcp
-from dcp_compile.compiler.variant_selection import use
-from dcp_compile.demo.example_models import TinyGPT
-from dcp_compile.device_profile.device_timing import device_name, software_versions, time_step
-from dcp_compile.device_profile.fake_world import fake_world
-from dcp_compile.schedule.hardware import Hardware
-from dcp_compile.schedule.measured_costs import markdown_report
-from dcp_compile.schedule.plan import Schedule
-from dcp_compile.schedule.planner import Planner
-from dcp_compile.schedule.published_schedulers import (
-    PUBLISHED_MEMORY_FRACTION,
-    BucketParallelScheduler,
-    DCPInterScheduler,
-    StaticSPScheduler,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import workloads  # noqa: E402
+
+import dcp_compile as dcp  # noqa: E402
+from dcp_compile.compiler.variant_selection import use  # noqa: E402
+from dcp_compile.demo.example_models import TinyGPT  # noqa: E402
+from dcp_compile.device_profile.device_timing import device_name, software_versions, synchronize  # noqa: E402
+from dcp_compile.device_profile.fake_world import fake_world  # noqa: E402
+from dcp_compile.device_profile.partial_results import DRY_RUN_LABEL, Progress, interruptible, write_atomic  # noqa: E402
+from dcp_compile.schedule.comparison import ABLATION_RUNGS, BASELINE_FAMILIES, Budget, Contender, plan_run  # noqa: E402
+from dcp_compile.schedule.hardware import Hardware, preset_for_device_name  # noqa: E402
+from dcp_compile.schedule.measured_costs import markdown_report  # noqa: E402
+from dcp_compile.schedule.plan import Schedule, ScheduledMicroBatch  # noqa: E402
+from dcp_compile.schedule.step_time import StepTime, step_time  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-VOCAB = 1024
-H200_BF16_PEAK = 989e12
-SCHEDULERS = ("dcp", "static-sp", "bucket-parallel", "dcp-inter")
-BAND = (1.5, 1.0, 1 / 1.5)  # link speed factors: the band's fast end, the model, its slow end
+BAND = (1.5, 1 / 1.5)  # link speed factors of the band: fast, slow
 
 
-@dataclass(frozen=True)
-class Setup:
-    device: torch.device
-    hidden: int
-    layers: int
-    heads: int
-    dtype: torch.dtype
-    shortest: int
-    longest: int
-    tokens_per_step: int
+def plan_families(budget: Budget, steps: Sequence[tuple[list[int], list[float] | None]], context: int):
+    """Every family tuned on ``steps`` and the ablation ladder, all under ``budget``."""
+    return plan_run(budget, steps, context)
 
 
-def setup_for(device: torch.device, args: argparse.Namespace) -> Setup:
-    if device.type == "cuda":
-        return Setup(device, 2048, 4, 16, torch.bfloat16, args.shortest or 128, args.longest or 32768,
-                     args.tokens_per_step or 1 << 20)
-    return Setup(device, 128, 2, 4, torch.float32, args.shortest or 32, args.longest or 2048,
-                 args.tokens_per_step or 1 << 14)
+def setup_for(device: torch.device, tiny: bool) -> dict[str, Any]:
+    spec = workloads.load()
+    name = "replay_tiny" if tiny else ("replay_gpu" if device.type == "cuda" else "replay_cpu")
+    setup = dict(spec["setups"][name], name=name)
+    setup.setdefault("seeds", spec["seeds"])
+    return setup
 
 
-def zipf_lengths(count: int, shortest: int, longest: int, seed: int = 0) -> list[int]:
-    """Lengths on a log grid from shortest to longest, weights 1/(rank+1)^1.2 (shortest most common),
-    jittered by +-20% so packed rows differ."""
-    rng = random.Random(seed)
-    grid = []
-    length = shortest
-    while length <= longest:
-        grid.append(length)
-        length *= 2
-    weights = [1 / (i + 1) ** 1.2 for i in range(len(grid))]
-    lengths = []
-    for _ in range(count):
-        base = rng.choices(grid, weights)[0]
-        lengths.append(max(shortest, min(longest, int(base * rng.uniform(0.8, 1.2)))))
-    return lengths
-
-
-def build_model(setup: Setup) -> TinyGPT:
+def build_model(setup: dict[str, Any], device: torch.device, dtype: torch.dtype) -> TinyGPT:
     torch.manual_seed(0)
-    return TinyGPT(VOCAB, setup.hidden, setup.layers, setup.heads).to(setup.device, setup.dtype)
+    m = setup["model"]
+    return TinyGPT(m["vocab"], m["width"], m["layers"], m["heads"]).to(device, dtype)
 
 
-def packed_inputs(setup: Setup):
+def packed_inputs(vocab: int, device: torch.device):
     def make(lengths: list[int]):
         generator = torch.Generator().manual_seed(sum(lengths))
-        packed = dcp.pack_sequences([torch.randint(1, VOCAB, (n,), generator=generator) for n in lengths])
-        return tuple(t.to(setup.device) for t in (packed.input_ids, packed.labels, packed.position_ids))
+        packed = dcp.pack_sequences([torch.randint(1, vocab, (n,), generator=generator) for n in lengths])
+        return tuple(t.to(device) for t in (packed.input_ids, packed.labels, packed.position_ids))
     return make
 
 
 def link_model(device: torch.device) -> tuple[Hardware, str]:
-    """The H200 preset's links, on a CPU slowed by its measured matmul speed over the H200 peak."""
+    """The links of the GPU found; on a CPU the H100 preset's, slowed by its matmul speed over the H100 peak."""
     if device.type == "cuda":
-        return Hardware.H200, "H200 preset links (NVLink 4 450 GB/s in a node of 8; 400 Gb/s InfiniBand NDR across)"
+        hardware = preset_for_device_name(torch.cuda.get_device_name(device))
+        return hardware, (f"{hardware.name} preset links ({hardware.intra_node_bandwidth / 1e9:.0f} GB/s one way in a "
+                          f"node of {hardware.gpus_per_node}; {hardware.inter_node_bandwidth / 1e9:.0f} GB/s across)")
     size = 512
     a, b = torch.randn(size, size), torch.randn(size, size)
     best = math.inf
@@ -130,16 +101,14 @@ def link_model(device: torch.device) -> tuple[Hardware, str]:
         start = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - start)
-    ratio = (2 * size**3 / best) / H200_BF16_PEAK
-    h200 = Hardware.H200
-    hardware = replace(
-        h200, name="H200 links at this CPU's speed", peak_flops=2 * size**3 / best,
-        intra_node_bandwidth=h200.intra_node_bandwidth * ratio, inter_node_bandwidth=h200.inter_node_bandwidth * ratio,
-    )
-    return hardware, (f"H200 preset link bandwidths slowed by this CPU's measured matmul rate over the H200 bf16 peak "
+    h100 = Hardware.H100
+    ratio = (2 * size**3 / best) / h100.peak_flops
+    hardware = replace(h100, name="H100 links at this CPU's speed", peak_flops=2 * size**3 / best,
+                       intra_node_bandwidth=h100.intra_node_bandwidth * ratio,
+                       inter_node_bandwidth=h100.inter_node_bandwidth * ratio)
+    return hardware, (f"H100 preset link bandwidths slowed by this CPU's measured matmul rate over the H100 bf16 peak "
                       f"({ratio:.2e}): {hardware.intra_node_bandwidth / 1e6:.2f} MB/s in a node of 8, "
-                      f"{hardware.inter_node_bandwidth / 1e6:.2f} MB/s across; latencies as the preset's "
-                      "(10 us / 25 us: a CPU's per-call overheads are not slower than a GPU's by that ratio)")
+                      f"{hardware.inter_node_bandwidth / 1e6:.2f} MB/s across; latencies as the preset's")
 
 
 def with_links(cost_model: dcp.CostModel, factor: float) -> dcp.CostModel:
@@ -148,42 +117,32 @@ def with_links(cost_model: dcp.CostModel, factor: float) -> dcp.CostModel:
                                                 inter_node_bandwidth=hw.inter_node_bandwidth * factor))
 
 
-class Replayer:
-    """Times every distinct per-rank micro-batch of every plan on the device: all of them once to
-    warm up, then ``repeats`` rounds over all of them in a shuffled order (median), so a slow
-    phase of a shared machine spreads over every scheduler's micro-batches alike."""
+Key = tuple[tuple[int, ...], int, dcp.RecomputePolicy]
 
-    def __init__(self, model: TinyGPT, setup: Setup, repeats: int, inner: str) -> None:
-        self.model, self.setup, self.repeats = model, setup, repeats
+
+@dataclass(frozen=True)
+class Measured:
+    clock: float  # the device's clock: process CPU time on a one-thread CPU, else the wall clock
+    wall: float
+
+
+class Replayer:
+    """Times every distinct per-rank micro-batch on the device: each variant once to compile, then
+    ``repeats`` rounds over all micro-batches in a shuffled order (median), so a slow phase of a
+    shared machine spreads over every scheduler's micro-batches alike."""
+
+    def __init__(self, model: TinyGPT, device: torch.device, vocab: int, repeats: int, inner: str) -> None:
+        self.model, self.device, self.repeats = model, device, repeats
         self.compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": inner, "check_ranks": False})
-        self.make = packed_inputs(setup)
-        self.cache: dict[tuple, float] = {}
+        self.make = packed_inputs(vocab, device)
+        self.cache: dict[Key, Measured] = {}
+        self.cpu_clock = device.type == "cpu" and torch.get_num_threads() == 1
 
     @staticmethod
-    def key(lengths: Sequence[int], sp_size: int, recompute: dcp.RecomputePolicy | str) -> tuple:
+    def key(lengths: Sequence[int], sp_size: int, recompute: dcp.RecomputePolicy | str) -> Key:
         return tuple(sorted(lengths)), sp_size, dcp.RecomputePolicy.parse(recompute)
 
-    def measure(self, keys: set[tuple]) -> None:
-        from tqdm.auto import tqdm
-
-        keys = sorted(keys - set(self.cache), key=lambda k: (k[1], k[2].value, k[0]))
-        steps = {key: self._step(key) for key in keys}
-        times: dict[tuple, list[float]] = {key: [] for key in keys}
-        rng = random.Random(0)
-        rounds = [None] + list(range(self.repeats))  # a warm-up round, then the timed ones
-        with tqdm(total=len(rounds) * len(keys), desc="replay: timing micro-batches", unit="mb", leave=False) as bar:
-            for round_index in rounds:
-                order = list(keys)
-                rng.shuffle(order)
-                for key in order:
-                    timing = time_step(steps[key], self.setup.device, repeats=1, warmup=0)
-                    if round_index is not None:
-                        times[key].append(timing.seconds)
-                    bar.update()
-        for key, values in times.items():
-            self.cache[key] = statistics.median(values)
-
-    def _step(self, key: tuple):
+    def _step(self, key: Key):
         lengths, sp_size, recompute = key
         inputs = self.make(list(lengths))
         variant = dcp.Variant(sp_size, recompute)
@@ -196,13 +155,45 @@ class Replayer:
 
         return step
 
-    def seconds(self, lengths: Sequence[int], sp_size: int, recompute: dcp.RecomputePolicy) -> float:
-        return self.cache[self.key(lengths, sp_size, recompute)]
+    def measure(self, keys: set[Key]) -> None:
+        from tqdm.auto import tqdm
+
+        todo = sorted(keys - set(self.cache), key=lambda k: (k[1], k[2].value, k[0]))
+        if not todo:
+            return
+        warmed = set()
+        for key in todo:  # one call per variant compiles it (a new length never re-traces)
+            if key[1:] not in warmed:
+                self._step(key)()
+                warmed.add(key[1:])
+        clocks: dict[Key, list[float]] = {key: [] for key in todo}
+        walls: dict[Key, list[float]] = {key: [] for key in todo}
+        rng = random.Random(len(self.cache))
+        with tqdm(total=self.repeats * len(todo), desc="replay: timing micro-batches", unit="mb", leave=False) as bar:
+            for _ in range(self.repeats):
+                order = list(todo)
+                rng.shuffle(order)
+                for key in order:
+                    step = self._step(key)
+                    synchronize(self.device)
+                    cpu0, wall0 = time.process_time(), time.perf_counter()
+                    step()
+                    synchronize(self.device)
+                    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+                    clocks[key].append(cpu if self.cpu_clock else wall)
+                    walls[key].append(wall)
+                    bar.update()
+        for key in todo:
+            self.cache[key] = Measured(statistics.median(clocks[key]), statistics.median(walls[key]))
+
+    def seconds(self, lengths: Sequence[int], sp_size: int, recompute: dcp.RecomputePolicy, wall: bool = False) -> float:
+        measured = self.cache[self.key(lengths, sp_size, recompute)]
+        return measured.wall if wall else measured.clock
 
 
-def keys_of(schedule: Schedule, lengths: Sequence[int]) -> set[tuple]:
-    """The distinct micro-batches a replay of ``schedule`` times (a fully recomputed one also
-    without recompute: DCP-inter's pyramid sits between the two)."""
+def keys_of(schedule: Schedule, lengths: Sequence[int]) -> set[Key]:
+    """The micro-batches a replay of ``schedule`` times (a fully recomputed one also without
+    recompute: DCP-inter's pyramid sits between the two)."""
     keys = set()
     for mb in schedule.microbatches:
         mb_lengths = [lengths[p] for p in mb.positions]
@@ -212,167 +203,228 @@ def keys_of(schedule: Schedule, lengths: Sequence[int]) -> set[tuple]:
     return keys
 
 
-def replay(schedule: Schedule, lengths: Sequence[int], replayer: Replayer, cost_models: Sequence[dcp.CostModel]) -> dict:
-    """Per link speed of ``cost_models``: (makespan, busy compute) of ``schedule`` with measured compute."""
-    out = []
-    for model in cost_models:
-        silent = model.without_communication()
-        loads = [0.0] * schedule.world_size
-        compute = [0.0] * schedule.world_size
-        for mb in schedule.microbatches:
-            mb_lengths = [lengths[p] for p in mb.positions]
-            measured = replayer.seconds(mb_lengths, mb.sp_size, mb.recompute)
-            if mb.recompute == dcp.RecomputePolicy.FULL:
-                # DCP-inter's pyramid keeps some layers unchecked: its predicted time sits between
-                # full and none; replay the same share between the two measured times.
-                full, none = (model.time(mb_lengths, mb.sp_size, policy) for policy in ("full", "none"))
-                kept = min(max((full - mb.predicted_time) / (full - none), 0.0), 1.0) if full > none else 0.0
-                if kept > 1e-9:
-                    measured -= kept * (measured - replayer.seconds(mb_lengths, mb.sp_size, dcp.RecomputePolicy.NONE))
-            communication = model.time(mb_lengths, mb.sp_size, mb.recompute) - silent.time(mb_lengths, mb.sp_size, mb.recompute)
-            for rank in mb.ranks:
-                loads[rank] += measured + communication
-                compute[rank] += measured
-        out.append((max(loads), sum(compute)))
-    return out
+def replayed_step(schedule: Schedule, lengths: Sequence[int], replayer: Replayer, model: dcp.CostModel,
+                  wall: bool = False) -> StepTime:
+    """The step with each micro-batch's measured compute plus its modelled communication."""
+    silent = model.without_communication()
+
+    def seconds(mb: ScheduledMicroBatch) -> float:
+        mb_lengths = [lengths[p] for p in mb.positions]
+        measured = replayer.seconds(mb_lengths, mb.sp_size, mb.recompute, wall)
+        if mb.recompute == dcp.RecomputePolicy.FULL:
+            # DCP-inter's pyramid keeps some layers unchecked: its predicted time sits between full
+            # and none; replay the same share between the two measured times.
+            full, none = (model.time(mb_lengths, mb.sp_size, p) for p in ("full", "none"))
+            kept = min(max((full - mb.predicted_time) / (full - none), 0.0), 1.0) if full > none else 0.0
+            if kept > 1e-9 and schedule.scheduler == "dcp-inter":
+                measured -= kept * (measured - replayer.seconds(mb_lengths, mb.sp_size, dcp.RecomputePolicy.NONE, wall))
+        communication = model.time(mb_lengths, mb.sp_size, mb.recompute) - silent.time(mb_lengths, mb.sp_size, mb.recompute)
+        return measured + communication
+
+    return step_time(schedule, lengths, model, seconds)
 
 
-def schedules_for(planner: Planner, world: int, lengths: Sequence[int], longest: int) -> dict[str, tuple[Schedule, list[int]]]:
-    """Each scheduler's plan of one step; static SP gets the step sorted by length (its strong variant)."""
-    cost_model = planner.cost_model
-    ordered = sorted(lengths)
-    static = StaticSPScheduler(cost_model, world, longest)
-    return {
-        "dcp": (planner.plan(lengths), list(lengths)),
-        "static-sp": (static.schedule(ordered), ordered),
-        "bucket-parallel": (BucketParallelScheduler(cost_model, world, longest).schedule(lengths), list(lengths)),
-        "dcp-inter": (DCPInterScheduler(cost_model, world).schedule(lengths), list(lengths)),
-    }
+def block_rows(world: int, name: str, seed: int, steps, contenders: dict[str, Contender], ablation: bool,
+               replayer: Replayer, model: dcp.CostModel) -> list[dict[str, Any]]:
+    tokens = sum(sum(s.lengths) for s in steps)
+    band = [with_links(model, f) for f in BAND]
+    rows = []
+    for label, contender in contenders.items():
+        def total(cost_model: dcp.CostModel, wall: bool = False) -> list[StepTime]:
+            return [replayed_step(schedule, s.lengths, replayer, cost_model, wall)
+                    for schedule, s in zip(contender.schedules, steps)]
+
+        main, wall = total(model), total(model, wall=True)
+        fast, slow = total(band[0]), total(band[1])
+        predicted = [step_time(schedule, s.lengths, model) for schedule, s in zip(contender.schedules, steps)]
+        rows.append({
+            "world": world, "distribution": name, "seed": seed, "family": label, "ablation": ablation,
+            "scheduler": contender.scheduler.name, "memory_cap": contender.scheduler.memory_cap, "tokens": tokens,
+            "tokens_per_s": tokens / sum(t.unoverlapped for t in main),
+            "tokens_per_s_overlapped": tokens / sum(t.overlapped for t in main),
+            "tokens_per_s_wall": tokens / sum(t.unoverlapped for t in wall),
+            "tokens_per_s_fast_links": tokens / sum(t.unoverlapped for t in fast),
+            "tokens_per_s_slow_links": tokens / sum(t.unoverlapped for t in slow),
+            "tokens_per_s_predicted": tokens / sum(t.unoverlapped for t in predicted),
+            "sync_s_per_step": main[0].sync, "compute_s": sum(t.compute for t in main),
+            "configurations": contender.configurations,
+            "chosen_from": [s.chosen_from for s in contender.schedules] if label == "dcp" else None,
+        })
+    return rows
+
+
+def _spread(values: Sequence[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+
+def report(rows: list[dict[str, Any]], meta: dict[str, Any], progress: Progress) -> str:
+    setup = meta["setup"]
+    spec = workloads.load()
+    lines = [
+        f"# DCP against every baseline under one budget, replayed on {meta['device']}", "",
+        f"**{meta['status']}**", "",
+        f"**{setup['label']}.** Communication modelled: {meta['links']}. " + ", ".join(
+            f"{k} {v}" for k, v in meta["software"].items()) + f"; inner compiler {meta['inner']}.", "",
+        f"Model: TinyGPT width {setup['model']['width']} x {setup['model']['layers']} layers, "
+        f"{setup['model']['heads']} heads, vocabulary {setup['model']['vocab']}, {meta['dtype']}. Workloads "
+        f"(`benchmarks/workloads.json`, fixed before this run): {setup['steps']} steps per seed, seeds {setup['seeds']}, "
+        f"{setup['tokens_per_rank']:,} tokens per rank per step, context window {setup['context_window']:,} tokens; "
+        f"one memory cap for every scheduler: {meta['memory_cap'] / 1e9:.3f} GB "
+        f"({setup['memory_fraction']} of {meta['memory_capacity'] / 1e9:.3f} GB"
+        + (f"; {setup['stand_in_memory']}" if "stand_in_memory" in setup else "") + ").", "",
+        "- " + "\n- ".join(f"`{n}`: {spec['distributions'][n]['source']}" for n in setup["distributions"]), "",
+        "Each baseline family is tuned on the very steps it is measured on (by the cost model); DCP is not. "
+        "Families as in `benchmarks/results/fair_simulation.md`. A step: the slowest rank's measured compute plus "
+        "modelled all-to-alls, plus the gradient all-reduce (modelled), *unoverlapped* after the last backward (what "
+        "`dcp.sync_gradients` does) or *overlapped* as DDP buckets it.", "",
+        "## DCP against the best baseline (tokens/s ratio; median and min-max over seeds)", "",
+        "| ranks | distribution | best baseline | clock: unoverlapped | clock: overlapped | wall clock | "
+        "links 1.5x slower..faster | predicted by the cost model |",
+        "|---:|---|---|---|---|---|---|---|",
+    ]
+    main_rows = [r for r in rows if not r["ablation"]]
+    blocks = sorted({(r["world"], r["distribution"]) for r in main_rows})
+    for world, name in blocks:
+        ratios: dict[str, list[float]] = {k: [] for k in ("tokens_per_s", "tokens_per_s_overlapped", "tokens_per_s_wall",
+                                                          "tokens_per_s_slow_links", "tokens_per_s_fast_links",
+                                                          "tokens_per_s_predicted")}
+        best_names = []
+        for seed in sorted({r["seed"] for r in main_rows if (r["world"], r["distribution"]) == (world, name)}):
+            group = {r["family"]: r for r in main_rows if (r["world"], r["distribution"], r["seed"]) == (world, name, seed)}
+            if "dcp" not in group or len(group) < 2:
+                continue
+            for metric in ratios:
+                best = max(v[metric] for f, v in group.items() if f != "dcp")
+                ratios[metric].append(group["dcp"][metric] / best)
+            best_names.append(max((v for f, v in group.items() if f != "dcp"), key=lambda v: v["tokens_per_s"])["scheduler"])
+        band = (f"{statistics.median(ratios['tokens_per_s_slow_links']):.2f}..{statistics.median(ratios['tokens_per_s_fast_links']):.2f}x"
+                if ratios["tokens_per_s"] else "-")
+        lines.append(f"| {world} | {name} | {', '.join(dict.fromkeys(best_names))} | {_spread(ratios['tokens_per_s'])} | "
+                     f"{_spread(ratios['tokens_per_s_overlapped'])} | {_spread(ratios['tokens_per_s_wall'])} | {band} | "
+                     f"{_spread(ratios['tokens_per_s_predicted'])} |")
+    lines += ["", f"'clock': {meta['clock']}; 'wall clock': the same micro-batches timed by the wall clock in the same "
+              "rounds. Both are reconstructed steps (measured micro-batches composed with modelled communication).", "",
+              "## Every family (tokens/s on the clock, unoverlapped; median over seeds; DCP / family)", "",
+              "| ranks | distribution | " + " | ".join(("dcp",) + BASELINE_FAMILIES) + " |",
+              "|---:|---|" + "---:|" * (1 + len(BASELINE_FAMILIES))]
+    for world, name in blocks:
+        group = [r for r in main_rows if (r["world"], r["distribution"]) == (world, name)]
+        dcp_rows = {r["seed"]: r for r in group if r["family"] == "dcp"}
+        cells = [f"{statistics.median(r['tokens_per_s'] for r in dcp_rows.values()):,.0f}" if dcp_rows else "-"]
+        for family in BASELINE_FAMILIES:
+            present = [r for r in group if r["family"] == family and r["seed"] in dcp_rows]
+            if not present:
+                cells.append("cannot train it")
+                continue
+            ratio = statistics.median(dcp_rows[r["seed"]]["tokens_per_s"] / r["tokens_per_s"] for r in present)
+            cells.append(f"{statistics.median(r['tokens_per_s'] for r in present):,.0f} ({ratio:.2f}x)")
+        lines.append(f"| {world} | {name} | " + " | ".join(cells) + " |")
+    lines += ["", "## Where DCP's gain over static SP comes from (ablation; each rung's gain over the one before, "
+              "median over seeds)", "",
+              "| ranks | distribution | " + " | ".join(ABLATION_RUNGS) + " |", "|---:|---|" + "---:|" * len(ABLATION_RUNGS)]
+    ablation_rows = [r for r in rows if r["ablation"]]
+    for world, name in sorted({(r["world"], r["distribution"]) for r in ablation_rows}):
+        seeds = sorted({r["seed"] for r in ablation_rows if (r["world"], r["distribution"]) == (world, name)})
+        by_seed = {s: {r["family"]: r for r in ablation_rows if (r["world"], r["distribution"], r["seed"]) == (world, name, s)}
+                   for s in seeds}
+        by_seed = {s: v for s, v in by_seed.items() if len(v) == len(ABLATION_RUNGS)}
+        if not by_seed:
+            continue
+        cells = [f"{statistics.median(v[ABLATION_RUNGS[0]]['tokens_per_s'] for v in by_seed.values()):,.0f} tokens/s"]
+        for index in range(1, len(ABLATION_RUNGS)):
+            cells.append(f"{statistics.median(v[ABLATION_RUNGS[index]]['tokens_per_s'] / v[ABLATION_RUNGS[index - 1]]['tokens_per_s'] for v in by_seed.values()):.3f}x")
+        lines.append(f"| {world} | {name} | " + " | ".join(cells) + " |")
+    chosen = [c for r in main_rows if r["family"] == "dcp" for c in (r["chosen_from"] or [])]
+    lines += ["", f"DCP's plan came from a baseline candidate in {sum(1 for c in chosen if c)} of {len(chosen)} steps.", "",
+              f"{meta['micro_batches']} distinct micro-batches timed; run time {meta['elapsed']:.0f} s.", "",
+              meta.get("profile", "")]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--shortest", type=int, default=0)
-    parser.add_argument("--longest", type=int, default=0)
-    parser.add_argument("--tokens-per-step", type=int, default=0)
-    parser.add_argument("--profile-recompute", nargs="+", default=None,
-                        help="policies dcp.profile measures for planning (default: all on a GPU, none and full on a CPU; "
-                             "the replay times every micro-batch's own policy either way)")
+    parser.add_argument("--tiny", action="store_true", help="the replay_tiny setup (a dry run: checks the pipeline)")
     parser.add_argument("--inner", default=None, choices=["inductor", "aot_eager", "eager"],
-                        help="inner compiler of the profile and the replay (default: inductor on a GPU, aot_eager on a CPU)")
+                        help="inner compiler (default: aot_eager; Inductor compiles every SP size up to 32)")
     parser.add_argument("--profile-cache", default=None, help="a cost model JSON to reuse (dcp.profile's path=)")
+    parser.add_argument("--worlds", type=int, nargs="+", default=None, help="override the setup's worlds")
     parser.add_argument("--out-dir", default=str(RESULTS))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    setup = setup_for(device, args)
-    model = build_model(setup)
+    setup = setup_for(device, args.tiny)
+    if args.worlds:
+        setup["worlds"] = args.worlds
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(setup, device, dtype)
     hardware, link_text = link_model(device)
+    inner = args.inner or "aot_eager"
     started = time.perf_counter()
-
-    profile_lengths = [setup.longest // 16, setup.longest // 8, setup.longest // 4, setup.longest // 2, setup.longest]
-    print(f"replay on {device_name(device)}: profiling TinyGPT width {setup.hidden} x {setup.layers} layers ...", flush=True)
-    prior = dcp.ModelProfile.transformer("replay-gpt", num_layers=setup.layers, hidden_size=setup.hidden,
-                                         num_heads=setup.heads, ffn_hidden_size=4 * setup.hidden, vocab_size=VOCAB,
-                                         causal=True, dtype_bytes=2 if setup.dtype == torch.bfloat16 else 4)
-    inner = args.inner or ("inductor" if device.type == "cuda" else "aot_eager")
-    policies = args.profile_recompute or ([p.value for p in dcp.RecomputePolicy] if device.type == "cuda" else ["none", "full"])
-    cost_model = dcp.profile(model, packed_inputs(setup), lengths=profile_lengths, sp_sizes=(1, 2, 4, 8),
-                             recompute=policies, causal=True, prior=prior, hardware=hardware, inner=inner,
-                             packed=True, repeats=args.repeats, path=args.profile_cache)
+    context = setup["context_window"]
+    vocab = setup["model"]["vocab"]
+    m = setup["model"]
+    print(f"replay on {device_name(device)} ({setup['name']}): profiling TinyGPT width {m['width']} ...", flush=True)
+    prior = dcp.ModelProfile.transformer("replay-gpt", num_layers=m["layers"], hidden_size=m["width"],
+                                         num_heads=m["heads"], ffn_hidden_size=4 * m["width"], vocab_size=vocab,
+                                         causal=True, dtype_bytes=2 if dtype == torch.bfloat16 else 4)
+    profile_lengths = [context // 16, context // 8, context // 4, context // 2, context]
+    policies = [p.value for p in dcp.RecomputePolicy] if device.type == "cuda" else ["none", "full"]
+    cost_model = dcp.profile(model, packed_inputs(vocab, device), lengths=profile_lengths,
+                             sp_sizes=(1, 2, 4, 8), recompute=policies, causal=True, prior=prior, hardware=hardware,
+                             inner=inner, packed=True, repeats=max(1, setup["repeats"]), path=args.profile_cache)
     cost_model = replace(cost_model, hardware=hardware)  # a cached profile keeps this run's link model
     if device.type == "cpu":
-        # A stand-in memory: the longest sample fits on 4 ranks with full recompute within the
-        # published profiler's cap (a share of device memory), as device memory forces on a cluster.
+        # The stand-in memory: the context-window sample fits on 4 ranks with full recompute under the cap.
         state = cost_model.memory_coefficients(4, "full").fixed_bytes
-        cap = state + 1.02 * (cost_model.peak_memory([setup.longest], 4, "full") - state)
-        cost_model = replace(cost_model, hardware=replace(hardware, memory_capacity=cap / PUBLISHED_MEMORY_FRACTION))
-    profile_text = markdown_report(cost_model.measured, title="Profile used by the replay")
-
-    lengths_pool = zipf_lengths(4000, setup.shortest, setup.longest)
-    rows = []
-    with fake_world(max(args.worlds)):
-        replayer = Replayer(model, setup, args.repeats, inner)
-        plans = []  # (world, band, bound, tokens, sync, [(name, schedule, ordered) per step])
-        for world in args.worlds:
-            cost_model_w = replace(cost_model, optimizer_shards=world)
-            band = [with_links(cost_model_w, f) for f in BAND]
-            sampler = dcp.DataCentricSampler(lengths_pool, setup.tokens_per_step, cost_model=cost_model_w,
-                                             world_size=world, rank=0, seed=0, verify_plan=False)
-            planner = Planner(cost_model_w, world)
-            steps = []
-            bound = sync = 0.0
-            tokens = 0
-            for indices in sampler.steps(0)[: args.steps]:  # the sampler's cut of the epoch
-                lengths = [lengths_pool[i] for i in indices]
-                tokens += sum(lengths)
-                bound += planner.lower_bound(lengths)
-                sync += band[1].hardware.all_reduce_seconds(band[1].profile.parameter_bytes, world)
-                steps.append([(name, schedule, ordered) for name, (schedule, ordered)
-                              in schedules_for(planner, world, lengths, setup.longest).items()])
-            plans.append((world, band, bound, tokens, sync, steps))
-        keys = set().union(*(keys_of(schedule, ordered) for *_, steps in plans for step in steps
-                             for _, schedule, ordered in step))
-        print(f"  {len(keys)} distinct micro-batches to time ({time.perf_counter() - started:.0f} s)", flush=True)
-        replayer.measure(keys)
-        for world, band, bound, tokens, sync, steps in plans:
-            totals = {name: [0.0] * len(BAND) for name in SCHEDULERS}
-            busy = {name: 0.0 for name in SCHEDULERS}
-            for step in steps:
-                for name, schedule, ordered in step:
-                    replayed = replay(schedule, ordered, replayer, band)
-                    for i, (makespan, _) in enumerate(replayed):
-                        totals[name][i] += makespan
-                    busy[name] += replayed[1][1]
-            for name in SCHEDULERS:
-                seconds = totals[name]
-                rows.append({
-                    "world": world, "scheduler": name, "tokens": tokens,
-                    "tokens_per_s": tokens / seconds[1], "tokens_per_s_fast_links": tokens / seconds[0],
-                    "tokens_per_s_slow_links": tokens / seconds[2],
-                    "utilisation": busy[name] / (world * seconds[1]),
-                    "bound_ratio": bound / seconds[1] if bound else math.nan,
-                    "sync_s_per_step": sync / len(steps), "step_s": seconds[1] / len(steps),
-                })
+        cap = state + 1.02 * (cost_model.peak_memory([context], 4, "full") - state)
+        cost_model = replace(cost_model, hardware=replace(hardware, memory_capacity=cap / setup["memory_fraction"]))
+    meta: dict[str, Any] = {
+        "device": device_name(device) + (f" ({DRY_RUN_LABEL})" if args.tiny else ""), "setup": setup,
+        "links": link_text, "software": software_versions(device), "inner": inner, "dtype": str(dtype),
+        "clock": ("process CPU time, one thread" if device.type == "cpu" else "wall clock with the device synchronised"),
+        "memory_capacity": cost_model.hardware.memory_capacity, "micro_batches": 0,
+        "profile": markdown_report(cost_model.measured, title="Profile used for planning"),
+    }
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = "cuda_" + device_name(device).lower().replace(" ", "-") if device.type == "cuda" else "cpu"
-    versions = software_versions(device)
-    lines = [f"# Plans replayed on measured compute: {device_name(device)}", "",
-             "**Replayed: measured compute, modelled communication.** Each micro-batch of each rank was run on this "
-             f"device at its per-rank shapes (fake process group: no data moved), timed by "
-             f"{cost_model.measured.clock.value}; the all-to-alls and the gradient "
-             f"all-reduce are modelled: {link_text}. Band: links 1.5x faster / slower.", "",
-             f"Model: TinyGPT width {setup.hidden} x {setup.layers} layers, {setup.heads} heads, {setup.dtype}; "
-             f"samples: Zipf text lengths {setup.shortest}..{setup.longest}, {setup.tokens_per_step:,} tokens per "
-             f"step, {args.steps} steps per world size, the same samples per step for every scheduler; inner "
-             f"compiler {inner}. "
-             + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".", "",
-             "| ranks | scheduler | tokens/s (band: slow..fast links) | DCP / it | utilisation | of DCP's bound | "
-             "step s (+ modelled all-reduce s) |",
-             "|---:|---|---|---:|---:|---:|---|"]
-    for world in args.worlds:
-        mine = [r for r in rows if r["world"] == world]
-        dcp_rate = next(r["tokens_per_s"] for r in mine if r["scheduler"] == "dcp")
-        for r in mine:
-            lines.append(f"| {world} | {r['scheduler']} | {r['tokens_per_s']:,.0f} ({r['tokens_per_s_slow_links']:,.0f}.."
-                         f"{r['tokens_per_s_fast_links']:,.0f}) | {dcp_rate / r['tokens_per_s']:.2f}x | "
-                         f"{100 * r['utilisation']:.0f}% | {100 * r['bound_ratio']:.0f}% | {r['step_s']:.3f} "
-                         f"(+ {r['sync_s_per_step']:.3f}) |")
-    lines += ["", "Utilisation: measured compute over ranks x step time. 'Of DCP's bound': the planner's lower bound "
-              "(priced by the profiled cost model) over the replayed step time. Step time without the gradient "
-              "all-reduce, which is the same for every scheduler; its modelled time is shown beside it.", "",
-              profile_text]
-    (out / f"replay_{tag}.md").write_text("\n".join(lines) + "\n")
-    (out / f"replay_{tag}.json").write_text(json.dumps({"device": device_name(device), "software": versions,
-                                                       "rows": rows}, indent=2))
-    print("\n".join(lines[:len(lines) - 1]))
-    print(f"wrote {out / f'replay_{tag}.md'} in {time.perf_counter() - started:.0f} s")
+    tag = ("cuda_" + device_name(device).lower().replace(" ", "-")) if device.type == "cuda" else "cpu"
+    if args.tiny:
+        tag += "_tiny"
+    blocks = [(w, d, s) for w in setup["worlds"] for d in setup["distributions"] for s in setup["seeds"]]
+    progress = Progress(total=len(blocks), unit="(world, distribution, seed) blocks")
+    rows: list[dict[str, Any]] = []
+
+    def flush() -> None:
+        meta["elapsed"] = time.perf_counter() - started
+        meta["status"] = progress.status()
+        write_atomic(out / f"replay_{tag}.md", report(rows, meta, progress))
+        write_atomic(out / f"replay_{tag}.json", json.dumps({**meta, "rows": rows}, indent=1, default=str))
+
+    with interruptible(progress, flush), fake_world(max(setup["worlds"])):
+        replayer = Replayer(model, device, vocab, max(1, setup["repeats"]), inner)
+        for world, name, seed in blocks:
+            world_model = replace(cost_model, optimizer_shards=world)
+            budget = Budget(world_model, world, setup["memory_fraction"])
+            meta["memory_cap"] = budget.memory_cap
+            dist = workloads.distribution(name)
+            steps = workloads.steps(dist, seed, setup["tokens_per_rank"] * world, setup["steps"], context)
+            families, rungs = plan_families(budget, [(s.lengths, s.spans) for s in steps], context)
+            keys = set()
+            for contender in list(families.values()) + list(rungs.values()):
+                for schedule, s in zip(contender.schedules, steps):
+                    keys |= keys_of(schedule, s.lengths)
+            print(f"  {world} ranks, {name}, seed {seed}: {len(keys - set(replayer.cache))} new micro-batches to time "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+            replayer.measure(keys)
+            meta["micro_batches"] = len(replayer.cache)
+            rows += block_rows(world, name, seed, steps, families, False, replayer, world_model)
+            rows += block_rows(world, name, seed, steps, rungs, True, replayer, world_model)
+            progress.done += 1
+            flush()
+    print((out / f"replay_{tag}.md").read_text())
     return 0
 
 
