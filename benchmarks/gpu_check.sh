@@ -145,7 +145,7 @@ command_of() {  # name, limit: sets CMD (empty with SKIP_REASON set when the ste
       ;;
     profile)
       CMD=(python benchmarks/profile_blocks.py --device "$device" --budget-s $(( limit > 30 ? limit - 10 : limit )) --out-dir "$OUT_DIR")
-      if [ "$MODE" = dry ]; then CMD+=(--tiny --inner aot_eager)
+      if [ "$MODE" = dry ]; then CMD+=(--tiny --inner eager)
       else CMD+=(--repeats 5 --recompute none full --inner "${GPU_CHECK_PROFILE_INNER:-aot_eager}"); fi
       ;;
     single_gpu)
