@@ -10,10 +10,10 @@
 #   bash benchmarks/gpu_check.sh               the check, on the GPU found (fails at once without one)
 #   bash benchmarks/gpu_check.sh --dry-run     every step on the CPU at tiny sizes (`--tiny`, aot_eager or
 #                                              eager inner compilers): every table the GPU run writes, under
-#                                              the same names with the device's tag "cpu", labelled "dry run
+#                                              the same names with the CPU's tag (below), labelled "dry run
 #                                              on CPU" inside; CUDA-only test selections run their CPU
 #                                              counterparts (`-k "not cuda"`). A few minutes on 2 cores.
-#   bash benchmarks/gpu_check.sh --print-plan  the steps in order with budgets, on/off, tables and commands
+#   bash benchmarks/gpu_check.sh --print-plan  (or --list) the steps in order with budgets, on/off, tables and commands
 #                                              under the present environment (add --dry-run for its commands);
 #                                              runs nothing
 #
@@ -43,7 +43,7 @@
 #   9 kernels_tests        tests/kernels, -k cuda (GPU_CHECK_TESTS=cuda) or all of them (all); the 15 slowest
 #                          listed                                           120 s  GPU_CHECK_TESTS=none|cuda|all
 # <gpu> is the device's name in lower case with dashes (e.g. nvidia-h100-80gb-hbm3), <tag> is "cuda_" and
-# the name with spaces as dashes; in the dry run both are "cpu".
+# the name with spaces as dashes; in the dry run both are "cpu" (the replay's tag there is "cpu_tiny").
 #
 # Files written to $OUT when set (e.g. a device runner's output folder), else benchmarks/results/ (the dry
 # run: $TMPDIR/gpu_check_dry_run, never benchmarks/results/): the tables above; <step>.log for each step
