@@ -252,7 +252,7 @@ def test_demo_runs_end_to_end(tmp_path) -> None:
     assert re.search(r"On the wall clock, .* \d+\.\d\dx, step by step \d+\.\d\dx", table), table
     assert re.search(r"^\s+dcp\s+\d\s+\w+\s+[\d+-]+\s+\d+", table[table.index("Where the prediction misses"):], re.MULTILINE), table
     # Why variants compile twice is said where the second compile starts.
-    assert out.index("compiling again: dcp.profile compiled each variant on a one-rank fake world") < out.index(
+    assert out.index("compiling again: dcp.profile compiled each variant in one process on a fake world") < out.index(
         "compiled TinyGPT")
 
     # The verdict is the last output: nothing (no progress bar, log line or rank) prints after it.

@@ -110,7 +110,7 @@ def test_one_step_has_no_interval_and_the_verdict_says_so() -> None:
     assert demo.reading((1.3, 1.3, 1.3), steps=1).startswith("no interval")
     assert demo.reading((1.3, math.nan, math.nan), steps=4).startswith("no interval")
     lines = demo.verdict_lines(_result((1.3, 1.3, 1.3), (1.2, 1.2, 1.2), steps=1))
-    assert "(paired over 1 step)" in lines[1]
+    assert "1 step," in lines[0] and "(paired over 1 step)" in lines[1]
     assert lines[-2].count("no interval from one step") == 2
 
 

@@ -10,7 +10,7 @@
    point at the slowest, so all plan with the same numbers.
 2. **Compile** every variant again, up front (one dynamo trace; every micro-batch is one packed row,
    see ``dcp.pack_sequences``), so no compile lands in a timed step. Step 1's compiles cannot be
-   reused: they ran on a fake one-process world as rank 0, and a compiled variant has its rank's
+   reused: they ran in one process on a fake world, as its rank 0, and a compiled variant has its rank's
    sequence chunk and its SP group's name built in. Then **measure communication**:
    ``all_to_all_single`` timed on the real world at the demo's message sizes (what the fake world
    of step 1 left out). On a CPU every time is each process's CPU time (see
@@ -185,6 +185,8 @@ def profile_compute(world_size: int, inner: str, seed: int, progress: bool = Fal
 
 
 def _profile_process(arguments: tuple[int, str, int, bool]) -> dict:
+    """One process of the spawned profiling pool (see :func:`_thread_lock_for_bars`)."""
+    _thread_lock_for_bars()
     return profile_compute(*arguments)
 
 
@@ -578,9 +580,9 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
     sizes = sp_sizes_for(world_size)
 
     variants = [dcp.Variant(sp, policy) for sp in sorted(sizes, reverse=True) for policy in dcp.RecomputePolicy]
-    say(f"compiling again: dcp.profile compiled each variant on a one-rank fake world (as rank 0, fake SP groups, "
-        f"before this world existed); training compiles them on the real {world_size}-rank world, because a "
-        f"compiled variant has its rank's sequence chunk and its SP group's name built in")
+    say(f"compiling again: dcp.profile compiled each variant in one process on a fake world (as its rank 0, in fake "
+        f"SP groups, before this world existed); training compiles them on the real {world_size}-rank world, because "
+        f"a compiled variant has its rank's sequence chunk and its SP group's name built in")
     start = time.perf_counter()
     warm_up(compiled, model, variants, device)
     compile_seconds = _world_max(time.perf_counter() - start, device)
@@ -890,7 +892,8 @@ def verdict_lines(result: Mapping[str, Any]) -> list[str]:
         return f"{100 * (predicted / measured - 1):+.0f}%" if measured > 0 and math.isfinite(measured) else "n/a"
 
     return [
-        f"=== verdict: DCP / static SP tokens/s (seed {result['seed']}, {steps} steps, {result['world_size']} ranks; "
+        f"=== verdict: DCP / static SP tokens/s (seed {result['seed']}, {steps} step{'s' if steps != 1 else ''}, "
+        f"{result['world_size']} ranks; "
         "above 1.00x DCP is faster) ===",
         ratio_line("wall clock (each step's elapsed time on this machine, slowest rank)", wall, wall_paired),
         ratio_line(second, cpu, cpu_paired),
@@ -908,19 +911,24 @@ def slowest_held_out(measured: Sequence[dict]) -> tuple[float, float] | None:
     return slowest_of([MeasuredCosts.from_dict(d) for d in measured]).held_out_summary()
 
 
-def _worker(rank: int, world_size: int, steps: int, inner: str, seed: int, measured: Sequence[dict]) -> dict:
-    """One rank of the spawned demo world.
+def _thread_lock_for_bars() -> None:
+    """Give this spawned process's tqdm bars a thread lock instead of tqdm's default
+    ``multiprocessing.RLock`` (a named semaphore, created even for a disabled bar).
 
-    tqdm's bars lock on a ``multiprocessing.RLock`` (a named semaphore) by default, even when
-    disabled; :func:`~dcp_compile.testing.process_world.run_in_process_world` ends its ranks with
-    SIGTERM once they have reported, before they can release it, and the resource tracker then
-    warns of leaked semaphores after the parent's last line, below the verdict. A thread lock is
-    all one process's bars need."""
+    The demo's child processes are ended by SIGTERM once they have reported (``Pool.terminate``,
+    :func:`~dcp_compile.testing.process_world.run_in_process_world`), before they release that
+    semaphore; the resource tracker then warns of leaked semaphores when the parent exits, after
+    its last line, below the verdict. One process's bars need only a thread lock."""
     import threading
 
     from tqdm.std import tqdm  # the base class: every tqdm flavour (auto, asyncio) inherits its lock
 
     tqdm.set_lock(threading.RLock())
+
+
+def _worker(rank: int, world_size: int, steps: int, inner: str, seed: int, measured: Sequence[dict]) -> dict:
+    """One rank of the spawned demo world."""
+    _thread_lock_for_bars()
     return train(rank, world_size, steps, inner, seed, measured=measured)
 
 
@@ -985,6 +993,8 @@ def run_demo(world_size: int = 2, steps: int = 6, inner: str = "aot_eager", seed
           flush=True)
     with multiprocessing.get_context("spawn").Pool(world_size) as pool:
         measured = pool.map(_profile_process, [(world_size, inner, seed, index == 0) for index in range(world_size)])
+        pool.close()  # let the workers exit on their own rather than by the context's terminate()
+        pool.join()
     print(f"... done in {time.perf_counter() - start:.0f} s", flush=True)
     results = run_in_process_world(_worker, world_size, steps, inner, seed, measured, timeout=1800)
     result = {**results[0], "profile_held_out": slowest_held_out(measured)}
