@@ -153,7 +153,8 @@ def generated_block(rows: list[dict], verdict: Sequence[str]) -> list[str]:
         *table_lines(rows),
     ]
     if verdict:
-        lines += ["", "The last run's verdict block (its last lines, as printed):", "", "```", *verdict, "```"]
+        lines += ["", "The last run's verdict block (from its JSON: the lines the demo prints last):", "", "```", *verdict,
+                  "```"]
     return lines + ["", END]
 
 
@@ -215,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         result, before, after, seconds = run_once(seed, args.steps, spinners)
         row = {key: result[key] for key in ("speedup", "paired_speedup", "wall_speedup", "wall_paired_speedup",
                                             "predicted_speedup", "probed_speedup", "prediction_errors",
-                                            "max_loss_difference", "profile_held_out", "memory_cap_bytes")}
+                                            "max_loss_difference", "profile_held_out", "memory_cap_bytes",
+                                            "verdict")}
         row.update(commit=commit, run=index + 1, seed=seed, steps=args.steps, spinners=spinners,
                    load_before=before, load_after=after, seconds=seconds)
         rows.append(row)
