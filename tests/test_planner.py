@@ -24,8 +24,10 @@ from dcp_compile.schedule.hardware import Hardware
 from dcp_compile.schedule.planner import Planner, PlannerConfig, PlanningError
 
 # Four ranks in two "nodes" of two: SP 4 pays the slow link. Llama-8B with the optimizer sharded
-# over 4 ranks leaves ~9k tokens per rank without recompute, ~45k with full recompute: steps of
-# 0.5k-100k-token sequences exercise packing, SP sizes and recompute together.
+# over 4 ranks leaves ~8.6k tokens per rank without recompute, ~31k with full recompute at SP 1
+# (~23.5k at SP 4, where each rank also keeps the all-to-all outputs; the head's backward under
+# `full` holds its rebuilt log-probabilities and two vocabulary-wide fp32 gradients): steps of
+# 0.5k-90k-token sequences exercise packing, SP sizes and recompute together, and all fit on 4 ranks.
 SMALL_HARDWARE = replace(Hardware.H200, gpus_per_node=2)
 SMALL_MODEL = CostModel(ModelProfile.from_config("llama-3-8b"), SMALL_HARDWARE, optimizer_shards=4)
 VIDEO_MODEL = CostModel(ModelProfile.from_config("stdit3-xl/2"), Hardware.H200, optimizer_shards=16)
@@ -105,7 +107,7 @@ def check_schedule(cost: CostModel, schedule, lengths, spans, cap, max_tokens_pe
         assert mb.predicted_time == pytest.approx(cost.time(mb_lengths, mb.sp_size, mb.recompute, mb_spans), rel=1e-9)
 
 
-small_lengths = st.lists(st.integers(min_value=256, max_value=100_000), min_size=1, max_size=6)
+small_lengths = st.lists(st.integers(min_value=256, max_value=90_000), min_size=1, max_size=6)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -129,7 +131,7 @@ def test_heuristic_alone_is_close_to_the_optimum() -> None:
     rng = random.Random(2024)
     ratios = []
     for _ in range(80):
-        lengths = [int(rng.choice([512, 2048, 8000, 16000, 30000, 60000, 100000]) * rng.uniform(0.5, 1.1))
+        lengths = [int(rng.choice([512, 2048, 8000, 16000, 30000, 60000, 85000]) * rng.uniform(0.5, 1.1))
                    for _ in range(rng.randint(1, 6))]
         ratios.append(heuristic.plan(lengths).makespan / optimal_makespan(SMALL_MODEL, lengths, 4, cap))
     assert min(ratios) >= 1 - 1e-9

@@ -9,7 +9,8 @@ Every term is *separable* over the sequences of a micro-batch::
 ``span`` is the number of keys a query attends to (see :mod:`.cost_model`); ``fixed`` is what a
 micro-batch pays however few tokens it has (kernel launches, all-to-all latency, reading the
 weights). Peak memory is ``static + bytes_per_token * sum(lengths)`` (flash/varlen attention
-keeps no quadratic buffer). The terms here are peak-rate seconds, before the scale factors
+keeps no quadratic buffer; the ring's block attention builds one, which is not priced). The
+terms here are peak-rate seconds, before the scale factors
 (inverse efficiencies) that :class:`~.cost_model.CostModel` applies and calibration fits.
 """
 
@@ -162,9 +163,13 @@ def memory_coefficients(
     collectives_recomputed: bool = False,
 ) -> MemoryCoefficients:
     """Peak bytes on each rank of an ``sp_size`` group: model state plus, per token of the
-    micro-batch, what backward keeps (:meth:`ModelProfile.saved_activation_bytes_per_token`), one
-    layer's full set while that layer runs its backward, the head's transient logits and the
-    all-to-all buffers."""
+    micro-batch, what backward keeps (:meth:`ModelProfile.saved_activation_bytes_per_token`: the
+    layers', the head's, the all-to-all outputs and a ring's K/V blocks) and the largest working
+    set a phase of backward holds on top of it
+    (:meth:`ModelProfile.backward_working_bytes_per_token`: what that layer or the head rebuilds,
+    and the activation gradients alive meanwhile, all-to-all buffers included with the KV heads
+    as wide as they travel). Checked against the measured peak of a step on CPU by
+    ``benchmarks/memory_peaks.py`` (``benchmarks/results/memory_peaks_cpu.md``)."""
     recompute = RecomputePolicy.parse(recompute)
     static = (
         profile.parameter_bytes
@@ -173,10 +178,5 @@ def memory_coefficients(
         + reserved_bytes
     )
     saved = profile.saved_activation_bytes_per_token(recompute, sp_size, collectives_recomputed)
-    working_layer = profile.activation_bytes_per_token["none"]  # one layer's full set during its backward
-    all_to_all_buffers = (
-        2 * profile.activation_dtype_bytes * (2 * profile.hidden_size + 2 * profile.head_dim * profile.num_kv_heads)
-        if sp_size > 1 else 0.0
-    )
-    per_token = (saved + working_layer + profile.output_bytes_per_token + all_to_all_buffers) / sp_size
-    return MemoryCoefficients(static, per_token)
+    working = profile.backward_working_bytes_per_token(recompute, sp_size, collectives_recomputed)
+    return MemoryCoefficients(static, (saved + working) / sp_size)

@@ -169,21 +169,33 @@ class Hardware:
         return cls(**data)
 
 
+MiB = 2**20
+# Memory capacities are what the device reports (``torch.cuda.get_device_properties().total_memory``,
+# which ``Hardware.detect`` reads on the device itself), not the marketed decimal gigabytes: the
+# planner's cap is a fraction of this number, so a rounded-down figure wastes memory and a
+# rounded-up one admits plans that do not fit.
+# H100 80GB HBM3: 85,520,809,984 bytes = 81,559 MiB (torch's total_memory; nvidia-smi shows the
+# same 81559MiB), not 80e9.
+H100_MEMORY_BYTES = 81_559 * MiB
+# H200 141GB HBM3e: a published ``_CudaDeviceProperties(name='NVIDIA H200', ..., total_memory=143156MB)``
+# (torch prints MiB) is the one torch figure found; nvidia-smi on H200 SXM boards shows 143771MiB.
+# The lower, torch-reported one is used: 150,109,945,856 bytes (141e9 was 6% under it).
+H200_MEMORY_BYTES = 143_156 * MiB
 # NVIDIA H200 SXM: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e, 141 GB; NVLink 4 (450 GB/s one way) inside
 # an 8-GPU node, one 400 Gb/s InfiniBand NIC per GPU across nodes.
 H200 = Hardware(
     name="H200",
     peak_flops=989e12,
     memory_bandwidth=4.8e12,
-    memory_capacity=141 * GB,
+    memory_capacity=float(H200_MEMORY_BYTES),
     intra_node_bandwidth=450 * GB,
     intra_node_latency=10e-6,
     inter_node_bandwidth=50 * GB,
     inter_node_latency=25e-6,
     gpus_per_node=8,
 )
-# NVIDIA H100 SXM: like the H200 but 3.35 TB/s HBM3 and 80 GB.
-H100 = replace(H200, name="H100", memory_bandwidth=3.35e12, memory_capacity=80 * GB)
+# NVIDIA H100 SXM: like the H200 but 3.35 TB/s HBM3 and 80 GB (81,559 MiB as the device reports it).
+H100 = replace(H200, name="H100", memory_bandwidth=3.35e12, memory_capacity=float(H100_MEMORY_BYTES))
 Hardware.H200 = H200
 Hardware.H100 = H100
 

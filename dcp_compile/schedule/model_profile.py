@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from dcp_compile.attention_layout import AttentionLayout, choose_attention_layout
 from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy
 
-from .presets import config_shape, preset_shape, transformer_fields
+from .presets import FP32_BYTES, config_shape, preset_shape, transformer_fields
 from .profiling import measure_fields
 
 
@@ -36,7 +37,9 @@ class ModelProfile:
             memory-bound) work that backward runs again.
         memory_traffic_bytes_per_token: forward bytes read and written per token by memory-bound
             ops over all layers.
-        output_bytes_per_token: transient bytes per token of the head and loss (logits).
+        output_bytes_per_token: transient bytes per token of the head and loss in backward: the
+            gradients of the loss's input (a language model: fp32 gradients of the log-probabilities
+            and of the logits, :func:`.presets.loss_gradient_bytes`).
         parameter_bytes / gradient_bytes / optimizer_bytes: model state per replica (the optimizer
             state may be sharded, see ``CostModel.optimizer_shards``).
         head_activation_bytes_per_token: bytes per token kept for backward outside the blocks
@@ -46,6 +49,14 @@ class ModelProfile:
             and that every rank of an SP group repeats: the key/value projections of a
             conditioning context (a DiT's text) in every cross-attention. The context is not a
             sequence-indexed value, so neither the published model nor our compiler shards it.
+        ffn_hidden_size / gated_mlp: the MLP's width (0: ``4 * hidden_size``) and whether it is
+            gated (SwiGLU): what the gradients its backward holds at once add up to.
+        recomputed_bytes_per_token: per policy, ``(attention part, MLP part)``: bytes per token one
+            layer's backward rebuilds at SP 1 (:func:`.presets.layer_recomputed_bytes`); when not
+            given, both parts are the whole ``none`` set less what the policy keeps.
+        num_cross_attention_layers: attentions whose queries are the sharded tokens and whose keys
+            and values are a per-sample context (a DiT's text): under sequence parallelism each
+            sends its queries and its output through all-to-alls too.
     """
 
     name: str
@@ -67,18 +78,27 @@ class ModelProfile:
     causal: bool = False
     head_activation_bytes_per_token: dict[str, float] = field(default_factory=dict)
     context_flops_per_sequence: float = 0.0
+    ffn_hidden_size: int = 0
+    gated_mlp: bool = False
+    recomputed_bytes_per_token: dict[str, tuple[float, float]] = field(default_factory=dict)
+    num_cross_attention_layers: int = 0
 
     def __post_init__(self) -> None:
         if not self.head_activation_bytes_per_token:
             object.__setattr__(self, "head_activation_bytes_per_token", {p.value: 0.0 for p in RECOMPUTE_POLICIES})
+        if not self.recomputed_bytes_per_token and all(p in self.activation_bytes_per_token for p in RECOMPUTE_POLICIES):
+            none = self.activation_bytes_per_token[RecomputePolicy.NONE]
+            rebuilt = {p.value: max(0.0, none - self.activation_bytes_per_token[p]) for p in RECOMPUTE_POLICIES}
+            object.__setattr__(self, "recomputed_bytes_per_token", {p: (v, v) for p, v in rebuilt.items()})
         missing = [p for p in RECOMPUTE_POLICIES if p not in self.activation_bytes_per_token]
         missing += [p for p in RECOMPUTE_POLICIES if p not in self.recompute_forward_fraction]
         missing += [p for p in RECOMPUTE_POLICIES if p not in self.head_activation_bytes_per_token]
+        missing += [p for p in RECOMPUTE_POLICIES if p not in self.recomputed_bytes_per_token]
         if missing:
             raise ValueError(
                 f"ModelProfile {self.name!r} lacks entries for recompute policies {sorted({str(p) for p in missing})}; "
-                f"give activation_bytes_per_token, recompute_forward_fraction (and head_activation_bytes_per_token, "
-                f"if any) for all of {tuple(p.value for p in RECOMPUTE_POLICIES)}"
+                f"give activation_bytes_per_token, recompute_forward_fraction (and head_activation_bytes_per_token and "
+                f"recomputed_bytes_per_token, if any) for all of {tuple(p.value for p in RECOMPUTE_POLICIES)}"
             )
         if self.num_heads % max(1, self.num_kv_heads):
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
@@ -86,6 +106,10 @@ class ModelProfile:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    def attention_layout(self, sp_size: int) -> AttentionLayout:
+        """How the compiler splits a self-attention over ``sp_size`` ranks (Ulysses, ring or both)."""
+        return choose_attention_layout(self.num_heads, max(1, self.num_kv_heads), sp_size)
 
     # ------------------------------------------------------------------ saved activations
     def saved_activation_bytes_per_token(
@@ -99,7 +123,9 @@ class ModelProfile:
         At SP > 1 each attention layer keeps q, k and v as the all-to-alls deliver them (KV heads
         replicated up to the SP size), in place of the local q, k, v that ``none`` keeps at SP 1;
         ``attention`` keeps them too (its recomputation stops at the all-to-alls), and
-        ``selective`` and ``full`` also keep the output all-to-all's result.
+        ``selective`` and ``full`` also keep the output all-to-all's result. Where the SP size
+        does not divide the heads the compiler runs ring (or Ulysses x ring) attention, which
+        keeps more: see :meth:`attention_kept_bytes_per_token`.
 
         ``collectives_recomputed``: whole-block checkpointing as the published system does it
         (``torch.utils.checkpoint`` around each block): under ``full`` a block keeps only its
@@ -112,18 +138,163 @@ class ModelProfile:
         if collectives_recomputed and recompute == RecomputePolicy.FULL:
             return float(saved)
         if sp_size > 1:
-            dtype = self.activation_dtype_bytes
-            qkv_local = dtype * (self.hidden_size + 2 * self.head_dim * self.num_kv_heads)
-            qkv_delivered = dtype * (self.hidden_size + 2 * self.head_dim * max(self.num_kv_heads, sp_size))
-            output = dtype * self.hidden_size
-            kept = {
-                RecomputePolicy.NONE: qkv_delivered - qkv_local,
-                RecomputePolicy.ATTENTION: qkv_delivered,
-                RecomputePolicy.SELECTIVE: qkv_delivered + output,
-                RecomputePolicy.FULL: qkv_delivered + output,
-            }[recompute]
-            saved += self.num_attention_layers * kept
+            saved += self.num_attention_layers * self.attention_kept_bytes_per_token(recompute, sp_size)
+            saved += self.num_cross_attention_layers * self.cross_attention_kept_bytes_per_token(recompute, sp_size)
         return float(saved)
+
+    def cross_attention_kept_bytes_per_token(self, recompute: RecomputePolicy | str, sp_size: int) -> float:
+        """Bytes per token of a rank's share that one cross-attention (queries from the sharded
+        tokens, keys and values from a per-sample context) keeps at ``sp_size`` > 1 beyond its
+        SP-1 set: the queries as their all-to-all delivers them in place of the local ones
+        (``attention`` keeps them: its recomputation stops at the all-to-all) and, under
+        ``selective`` and ``full``, the output all-to-all's result. The ring does not run
+        cross-attention: where the SP size does not divide the heads they are padded to the next
+        multiple, and the all-to-alls carry the padded heads."""
+        recompute = RecomputePolicy.parse(recompute)
+        if sp_size <= 1:
+            return 0.0
+        dtype, h = self.activation_dtype_bytes, self.hidden_size
+        padded = dtype * self.head_dim * sp_size * -(-self.num_heads // sp_size)
+        return float({
+            RecomputePolicy.NONE: padded - dtype * h,
+            RecomputePolicy.ATTENTION: padded,
+            RecomputePolicy.SELECTIVE: 2 * padded,
+            RecomputePolicy.FULL: 2 * padded,
+        }[recompute])
+
+    def attention_kept_bytes_per_token(self, recompute: RecomputePolicy | str, sp_size: int) -> float:
+        """Bytes per token of a rank's share that one self-attention layer keeps at ``sp_size`` > 1
+        beyond what the layer keeps at SP 1 (``activation_bytes_per_token``).
+
+        Ulysses (the SP size divides the query heads): q, k, v as the all-to-alls deliver them,
+        KV heads replicated up to the SP size, in place of the local ones; ``selective`` and
+        ``full`` also keep the output all-to-all's result.
+
+        Ring, or Ulysses x ring (``P = u * r``, :mod:`dcp_compile.compiler.ring_attention`), as the
+        compiled graphs keep it (``tests/test_memory_model.py`` compares):
+
+        * the ``r - 1`` K/V blocks received from the ring (``S/P`` tokens' worth of K and V each),
+          under every policy: collective outputs are never recomputed, and the backward computes
+          each block's gradients from the block it received;
+        * under ``none``: for each of the ``r`` blocks its fp32 output, log-sum-exp and merge
+          weight (``dcp::attention_block`` saves its output and log-sum-exp, the online-softmax
+          merge its weights) in place of one attention output and log-sum-exp;
+        * ``attention`` keeps what ``none`` keeps: its recomputation starts from SDPA, which a ring
+          site no longer holds;
+        * at ``u > 1`` the head all-to-alls' q, k, v (no KV replication: ``u`` divides the KV
+          heads) and, under ``selective`` and ``full``, the output all-to-all's result; at
+          ``u = 1`` ``selective`` keeps the q, k, v projections' outputs (the projections are not
+          in an attention region, so they are not recomputed).
+
+        What the ring does not price: ``dcp::attention_block`` builds its block's scores and
+        probabilities, ``[heads/u, S/r, S/r]`` fp32, forward and backward: a quadratic buffer
+        that no per-token price holds (see ``benchmarks/results/memory_peaks_cpu.md``).
+        """
+        recompute = RecomputePolicy.parse(recompute)
+        if sp_size <= 1:
+            return 0.0
+        dtype, h = self.activation_dtype_bytes, self.hidden_size
+        kv_width = self.head_dim * self.num_kv_heads
+        local = dtype * (h + 2 * kv_width)
+        output = dtype * h
+        layout = self.attention_layout(sp_size)
+        if layout.ring == 1:
+            delivered = dtype * (h + 2 * self.head_dim * max(self.num_kv_heads, sp_size))
+            return float({
+                RecomputePolicy.NONE: delivered - local,
+                RecomputePolicy.ATTENTION: delivered,
+                RecomputePolicy.SELECTIVE: delivered + output,
+                RecomputePolicy.FULL: delivered + output,
+            }[recompute])
+        received = (layout.ring - 1) * 2 * kv_width * dtype
+        heads = self.num_heads
+        blocks = layout.ring * (h + 2 * heads) * FP32_BYTES - (dtype * h + heads * FP32_BYTES)
+        head_all_to_alls = local + output if layout.ulysses > 1 else 0.0
+        return float({
+            RecomputePolicy.NONE: received + blocks,
+            RecomputePolicy.ATTENTION: received + blocks + self.activation_bytes_per_token[RecomputePolicy.NONE]
+            - self.activation_bytes_per_token[RecomputePolicy.ATTENTION],
+            RecomputePolicy.SELECTIVE: received + (head_all_to_alls if layout.ulysses > 1 else local),
+            RecomputePolicy.FULL: received + head_all_to_alls,
+        }[recompute])
+
+    # ------------------------------------------------------------------ backward working set
+    def backward_working_bytes_per_token(
+        self, recompute: RecomputePolicy | str, sp_size: int = 1, collectives_recomputed: bool = False,
+    ) -> float:
+        """Bytes per token of a rank's share that backward holds *on top of* what is kept
+        (:meth:`saved_activation_bytes_per_token`), at its largest.
+
+        Backward runs the head first, then the layers one at a time; each phase holds what it
+        rebuilds and the activation gradients alive while it runs, and the peak is the largest:
+
+        * a layer's MLP: what it rebuilds (``recomputed_bytes_per_token``; under ``full`` the
+          whole block at once: at SP > 1 all but the attention cores, as the output all-to-all's
+          result is kept) and the gradients of its hidden activations: of ``fc2``'s
+          input and of ``fc1``'s output(s), each ``ffn`` wide (3 for a gated MLP: of the product,
+          of the up projection and of the activation; 2 otherwise; one fewer where the hidden
+          activation is rebuilt, as it is freed before the next gradient is allocated), and of
+          its input;
+        * a layer's attention: what it rebuilds, the gradient of the attention output and the
+          gradients of q, k, v twice (as the attention backward returns them, and as the ops
+          between the projections and the attention (RoPE, head layout, all-to-all adjoints)
+          rebuild them before the first are freed), with the KV heads as wide as the all-to-alls
+          deliver them (replicated up to the SP size); a ring also passes a K/V gradient block
+          back (received and sent);
+        * the head: under ``selective`` and ``full`` what it rebuilds (under ``full`` with the last
+          block: the compiler recomputes the two from the last block's input) and the loss's
+          gradients (``output_bytes_per_token``);
+
+        plus the residual stream's gradient, alive through every layer's backward.
+        """
+        recompute = RecomputePolicy.parse(recompute)
+        dtype, h = self.activation_dtype_bytes, self.hidden_size
+        head_dim, kv_heads = self.head_dim, max(1, self.num_kv_heads)
+        kv_width = head_dim * kv_heads
+        ffn = self.ffn_hidden_size or 4 * h
+        layout = self.attention_layout(sp_size)
+        delivered_kv = max(kv_heads, sp_size) if sp_size > 1 and layout.ring == 1 else kv_heads
+        attention_gradients = dtype * (h + 2 * (h + 2 * head_dim * delivered_kv))
+        if layout.ring > 1:
+            attention_gradients += dtype * 2 * (2 * kv_width)
+        mlp_gradients = dtype * ((3 if self.gated_mlp else 2) * ffn + h)
+
+        attention_rebuilt, mlp_rebuilt = self.recomputed_bytes_per_token[recompute]
+        whole_block = recompute == RecomputePolicy.FULL
+        if sp_size > 1 and recompute != RecomputePolicy.NONE:
+            if collectives_recomputed and whole_block:
+                # Whole-block checkpointing re-sends the all-to-alls: their outputs are rebuilt too.
+                attention_rebuilt += self.attention_kept_bytes_per_token(RecomputePolicy.FULL, sp_size)
+            elif layout.ring > 1 and recompute == RecomputePolicy.ATTENTION:
+                attention_rebuilt = 0.0  # `attention` does not reach a ring site (see attention_kept_bytes_per_token)
+            else:
+                # What the all-to-alls delivered is kept: backward rebuilds neither the local q, k, v
+                # nor (selective, full) the output all-to-all's result.
+                kept = dtype * (h + 2 * kv_width) + (dtype * h if recompute != RecomputePolicy.ATTENTION else 0)
+                attention_rebuilt = max(0.0, attention_rebuilt - kept)
+        if mlp_rebuilt > 0:
+            # A rebuilt hidden activation (the activation function's output, the gated product) is
+            # freed once fc2's weight gradient is taken, before the activation's backward allocates
+            # the next ffn-wide gradient: one ffn-wide tensor fewer alive at once than when it is kept.
+            mlp_gradients -= dtype * ffn
+        # Under `full` the MLP's input is rebuilt before the MLP's backward: at SP 1 that runs the
+        # whole attention again; at SP > 1 the output all-to-all's result is kept, so only the
+        # residual path is rebuilt then and the attention cores (output, logsumexp) wait for the
+        # attention's backward.
+        block_rebuilt = attention_rebuilt
+        if whole_block and sp_size > 1 and not collectives_recomputed:
+            attentions = 1 + self.num_cross_attention_layers / max(1, self.num_layers)
+            block_rebuilt = max(0.0, attention_rebuilt - attentions * (dtype * h + self.num_heads * FP32_BYTES))
+        attention_phase = attention_rebuilt + attention_gradients
+        mlp_phase = mlp_rebuilt + mlp_gradients + (block_rebuilt if whole_block else 0.0)
+        head_rebuilt = 0.0
+        if recompute in (RecomputePolicy.SELECTIVE, RecomputePolicy.FULL):
+            head_rebuilt = self.head_activation_bytes_per_token[RecomputePolicy.NONE]
+        if whole_block:
+            head_rebuilt += block_rebuilt + mlp_rebuilt
+        head_phase = head_rebuilt + self.output_bytes_per_token
+        residual_gradient = dtype * h
+        return float(residual_gradient + max(attention_phase, mlp_phase, head_phase))
 
     def saved_activation_bytes(
         self, tokens: int, recompute: RecomputePolicy | str, sp_size: int = 1, collectives_recomputed: bool = False,
@@ -149,6 +320,7 @@ class ModelProfile:
         cross_attention_tokens: int = 0,
         output_channels: int = 0,
         rotary: bool = False,
+        adaptive_norm: bool = False,
         dtype_bytes: int = 2,
         gradient_dtype_bytes: int = 4,
         optimizer_bytes_per_parameter: int = 12,
@@ -161,13 +333,14 @@ class ModelProfile:
         :mod:`.presets`. ``cross_attention_tokens`` adds a cross-attention sub-block per layer to a
         context of that many tokens (a DiT's text). ``rotary``: the model builds one RoPE table
         (cos, sin) outside its blocks and hands it to every block, so ``full`` keeps it as a
-        block input.
+        block input. ``adaptive_norm``: adaLN modulation and gates (a DiT): the modulated norms'
+        outputs and the gated branches' outputs are kept too.
         """
         return cls(**transformer_fields(
             name, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
             ffn_hidden_size=ffn_hidden_size, gated_mlp=gated_mlp, vocab_size=vocab_size, causal=causal,
             cross_attention_tokens=cross_attention_tokens, output_channels=output_channels, rotary=rotary,
-            dtype_bytes=dtype_bytes,
+            adaptive_norm=adaptive_norm, dtype_bytes=dtype_bytes,
             gradient_dtype_bytes=gradient_dtype_bytes, optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
             extra_parameters=extra_parameters,
         ))
@@ -212,16 +385,22 @@ class ModelProfile:
         for key in ("activation_bytes_per_token", "head_activation_bytes_per_token"):
             data[key] = {str(k): float(v) for k, v in data[key].items()}
         data["recompute_forward_fraction"] = {str(k): list(v) for k, v in self.recompute_forward_fraction.items()}
+        data["recomputed_bytes_per_token"] = {str(k): [float(x) for x in v] for k, v in self.recomputed_bytes_per_token.items()}
         return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelProfile":
         """The profile :meth:`to_dict` wrote (files without ``head_activation_bytes_per_token``, from
-        before it was priced, load with zeros there)."""
+        before it was priced, load with zeros there; without the MLP shape and
+        ``recomputed_bytes_per_token``, with a 4x MLP and the whole ``none`` set rebuilt)."""
         data = dict(data)
         data["recompute_forward_fraction"] = {
             k: tuple(float(x) for x in v) for k, v in data["recompute_forward_fraction"].items()
         }
+        if "recomputed_bytes_per_token" in data:
+            data["recomputed_bytes_per_token"] = {
+                k: tuple(float(x) for x in v) for k, v in data["recomputed_bytes_per_token"].items()
+            }
         for key in ("activation_bytes_per_token", "head_activation_bytes_per_token"):
             if key in data:
                 data[key] = {k: float(v) for k, v in data[key].items()}

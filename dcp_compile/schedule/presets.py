@@ -23,9 +23,18 @@ vocabulary in :class:`dcp_compile.variant.RecomputePolicy`):
   ops outside the blocks hand to every block is kept as a block input too: a RoPE table built
   once in the model (``rotary=True``: cos and sin, ``head_dim`` each per token).
 
+``adaptive_norm`` (adaLN-Zero / adaLN-single DiTs: PixArt, STDiT3, Wan) adds, under ``none`` and
+``attention``, what the modulation and the gates keep: each modulated norm's output (the scale's
+gradient needs it) and each gated branch's output before its gate (the gate's gradient needs it).
+
 Under sequence parallelism the all-to-all outputs are kept whatever the policy (see
 :meth:`ModelProfile.saved_activation_bytes_per_token`). What lies outside the blocks (final norm,
 output head, loss, a shared RoPE table) is priced per policy in ``head_activation_bytes_per_token``.
+
+Besides what is kept, backward holds a working set (:func:`layer_recomputed_bytes` and
+:meth:`ModelProfile.backward_working_bytes_per_token`): what a layer's backward recomputes (per
+sub-block: the attention's just before the attention's backward, the MLP's before the MLP's; under
+``full`` the whole block at once) and the activation gradients alive while it runs.
 Not priced: the RoPE table under the other policies (the partitioner recomputes it from the
 positions, or under ``none`` keeps the angles: ``head_dim`` per token, under 1% of what ``none``
 keeps); ``tests/test_recompute_pricing.py`` compares this accounting with what the compiled
@@ -56,6 +65,7 @@ def transformer_fields(
     cross_attention_tokens: int = 0,
     output_channels: int = 0,
     rotary: bool = False,
+    adaptive_norm: bool = False,
     dtype_bytes: int = 2,
     gradient_dtype_bytes: int = 4,
     optimizer_bytes_per_parameter: int = 12,
@@ -82,13 +92,13 @@ def transformer_fields(
     linear_flops = num_layers * (2 * block_params + cross_core_flops) + 2 * head_params
     attention_flops = num_layers * 4 * h * (0.5 if causal else 1.0)
 
-    activation = layer_activation_bytes(
-        hidden_size=h, num_heads=num_heads, kv_width=kv_width, ffn_hidden_size=ffn, gated_mlp=gated_mlp,
-        cross_attention=bool(cross_attention_tokens), dtype_bytes=dtype_bytes,
-    )
+    shape = dict(hidden_size=h, num_heads=num_heads, kv_width=kv_width, ffn_hidden_size=ffn, gated_mlp=gated_mlp,
+                 cross_attention=bool(cross_attention_tokens), dtype_bytes=dtype_bytes, adaptive_norm=adaptive_norm)
+    activation = layer_activation_bytes(**shape)
+    recomputed = layer_recomputed_bytes(**shape)
     head = head_activation_bytes(
         hidden_size=h, vocab_size=vocab_size, output_channels=output_channels, dtype_bytes=dtype_bytes,
-        rotary_dim=head_dim if rotary else 0,
+        rotary_dim=head_dim if rotary else 0, adaptive_norm=adaptive_norm,
     )
     # Forward work backward runs again, as fractions of (matmul FLOPs, attention FLOPs, memory-bound
     # traffic). Matmuls: the q/k/v projections under ``attention`` and ``selective`` (the output
@@ -116,7 +126,7 @@ def transformer_fields(
         activation_bytes_per_token=activation,
         recompute_forward_fraction=recompute,
         memory_traffic_bytes_per_token=float(2 * activation["none"] * num_layers),
-        output_bytes_per_token=float((vocab_size * (dtype_bytes + 4)) if vocab_size else 2 * output_channels * dtype_bytes),
+        output_bytes_per_token=float(loss_gradient_bytes(vocab_size, output_channels, dtype_bytes)),
         parameter_bytes=float(total_params * dtype_bytes),
         gradient_bytes=float(total_params * gradient_dtype_bytes),
         optimizer_bytes=float(total_params * optimizer_bytes_per_parameter),
@@ -124,7 +134,21 @@ def transformer_fields(
         causal=causal,
         head_activation_bytes_per_token=head,
         context_flops_per_sequence=float(context_flops),
+        ffn_hidden_size=ffn,
+        gated_mlp=gated_mlp,
+        recomputed_bytes_per_token=recomputed,
+        num_cross_attention_layers=num_layers if cross_attention_tokens else 0,
     )
+
+
+def loss_gradient_bytes(vocab_size: int, output_channels: int, dtype_bytes: int) -> int:
+    """Bytes per token the head's backward holds at once beyond what is kept: for a language model
+    the fp32 gradient of the log-probabilities (``nll_loss_backward``, dense) and of the logits
+    (``_log_softmax_backward_data``), alive together; for a regression head the gradient of the
+    error and of the prediction."""
+    if vocab_size:
+        return 2 * vocab_size * FP32_BYTES
+    return 2 * output_channels * dtype_bytes
 
 
 def layer_activation_bytes(
@@ -136,6 +160,7 @@ def layer_activation_bytes(
     gated_mlp: bool,
     cross_attention: bool,
     dtype_bytes: int,
+    adaptive_norm: bool = False,
 ) -> dict[str, float]:
     """Bytes per token one block keeps for backward, per recompute policy, at SP 1."""
     h, ffn = hidden_size, ffn_hidden_size
@@ -152,16 +177,70 @@ def layer_activation_bytes(
     # fp32: each norm's mean and rstd (2 norms), each attention's logsumexp (one per head).
     norm_stats = 2 * 2
     logsumexp = num_heads * (2 if cross_attention else 1)
+    # adaLN: the two modulated norms' outputs and the two gated branches' outputs (self-attention
+    # and MLP; the cross-attention is not gated). ``selective`` keeps the branch outputs already
+    # (matmul outputs) and recomputes the norms; ``full`` keeps neither.
+    modulation = 4 * h if adaptive_norm else 0
     return {
-        RecomputePolicy.NONE.value: float((attention_all + cross_all + mlp_all) * dtype_bytes + (norm_stats + logsumexp) * FP32_BYTES),
-        RecomputePolicy.ATTENTION.value: float((attention_kept + cross_kept + mlp_all) * dtype_bytes + norm_stats * FP32_BYTES),
+        RecomputePolicy.NONE.value: float((attention_all + cross_all + mlp_all + modulation) * dtype_bytes
+                                          + (norm_stats + logsumexp) * FP32_BYTES),
+        RecomputePolicy.ATTENTION.value: float((attention_kept + cross_kept + mlp_all + modulation) * dtype_bytes
+                                               + norm_stats * FP32_BYTES),
         RecomputePolicy.SELECTIVE.value: float(matmul_outputs * dtype_bytes),
         RecomputePolicy.FULL.value: float(h * dtype_bytes),
     }
 
 
+def layer_recomputed_bytes(
+    *,
+    hidden_size: int,
+    num_heads: int,
+    kv_width: int,
+    ffn_hidden_size: int,
+    gated_mlp: bool,
+    cross_attention: bool,
+    dtype_bytes: int,
+    adaptive_norm: bool = False,
+) -> dict[str, tuple[float, float]]:
+    """Bytes per token one block's backward rebuilds, per policy, as ``(attention part, MLP part)``
+    at SP 1: what the partitioner recomputes just before that sub-block's backward and frees after
+    it (under ``full`` the whole block is rebuilt at once, before the MLP's backward, and the
+    attention part lives on to the attention's).
+
+    The parts split :func:`layer_activation_bytes`'s ``none`` set: the MLP part is its norm's
+    input and statistics, ``fc1``'s input and outputs and the activation's output (adaLN: the
+    norm's output and the MLP's output before its gate); the rest is the attention part (both
+    attentions and their norms). ``attention`` rebuilds q, k, v, the attention output and its
+    logsumexp; ``selective`` everything but the matmul outputs (the MLP's ``fc1``/gate and up
+    outputs stay, and with adaLN the gated branches' outputs; the other matmul outputs it keeps
+    are not in the ``none`` set); ``full`` everything but the block input."""
+    h, ffn = hidden_size, ffn_hidden_size
+    d, f = dtype_bytes, FP32_BYTES
+    mlp_elements = 2 * h + (4 if gated_mlp else 2) * ffn + (2 * h if adaptive_norm else 0)
+    mlp_none = mlp_elements * d + 2 * f
+    none = layer_activation_bytes(
+        hidden_size=h, num_heads=num_heads, kv_width=kv_width, ffn_hidden_size=ffn, gated_mlp=gated_mlp,
+        cross_attention=cross_attention, dtype_bytes=d, adaptive_norm=adaptive_norm,
+    )[RecomputePolicy.NONE.value]
+    attention_none = none - mlp_none
+    logsumexp = num_heads * (2 if cross_attention else 1)
+    # `attention`: q, k, v and the attention output (and the cross-attention's q and output), logsumexps.
+    attention_rebuilt = (h + 2 * kv_width + h + (2 * h if cross_attention else 0)) * d + logsumexp * f
+    # Matmul outputs in the ``none`` set, which ``selective`` keeps: fc1 (gate and up); with adaLN
+    # also each gated branch's output (the output projection's and fc2's).
+    branch_output = h * d if adaptive_norm else 0
+    mlp_matmuls_in_none = (2 if gated_mlp else 1) * ffn * d + branch_output
+    return {
+        RecomputePolicy.NONE.value: (0.0, 0.0),
+        RecomputePolicy.ATTENTION.value: (float(attention_rebuilt), 0.0),
+        RecomputePolicy.SELECTIVE.value: (float(attention_none - branch_output), float(mlp_none - mlp_matmuls_in_none)),
+        RecomputePolicy.FULL.value: (float(attention_none - h * d), float(mlp_none)),
+    }
+
+
 def head_activation_bytes(
     *, hidden_size: int, vocab_size: int, output_channels: int, dtype_bytes: int, rotary_dim: int = 0,
+    adaptive_norm: bool = False,
 ) -> dict[str, float]:
     """Bytes per token kept outside the blocks (final norm, output head, loss, a shared RoPE table), per policy.
 
@@ -171,7 +250,8 @@ def head_activation_bytes(
     of the head (not even the last block's output: the head is recomputed, with the last block,
     from the last block's input, which the layers' ``full`` entry counts) but keeps what every
     block reads from outside: a RoPE table built once in the model, cos and sin of
-    ``rotary_dim`` each per token (0: none).
+    ``rotary_dim`` each per token (0: none). ``adaptive_norm``: the final norm's output is
+    modulated, so ``none`` and ``attention`` keep it too.
     """
     rotary_table = float(2 * rotary_dim * dtype_bytes)
     if not vocab_size and not output_channels:
@@ -183,7 +263,7 @@ def head_activation_bytes(
     else:
         loss_kept = output_channels * FP32_BYTES
         matmul_output = output_channels * dtype_bytes
-    kept = 2 * h * dtype_bytes + 2 * FP32_BYTES + loss_kept
+    kept = (3 if adaptive_norm else 2) * h * dtype_bytes + 2 * FP32_BYTES + loss_kept
     return {
         RecomputePolicy.NONE.value: float(kept),
         RecomputePolicy.ATTENTION.value: float(kept),
@@ -206,6 +286,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         cross_attention_tokens=300,
         output_channels=2 * 4 * 4,  # learned sigma x 4 latent channels x 2x2 patch
         extra_parameters=4096 * 1152 + 1152 * 1152 * 6,  # caption projection, t-embedder
+        adaptive_norm=True,  # STDiT3Block: t2i_modulate(norm1(x)), gate_msa * attn, ..., gate_mlp * mlp
     ),
     "llama-3-8b": dict(
         num_layers=32,
