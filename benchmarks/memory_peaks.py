@@ -1,0 +1,295 @@
+"""Measured activation peak of one training step against the cost model's memory prediction, on CPU.
+
+For each (model, recompute policy, SP size) point a *fresh* Python process builds a small model,
+compiles it with ``backend="dcp"`` (inner compiler ``aot_eager``: AOTAutograd's min-cut
+partitioner decides what the forward keeps, as under Inductor), and, at SP > 1, runs rank 0's
+share of the group on a one-process fake world (:mod:`dcp_compile.device_profile.fake_world`,
+as ``dcp.profile`` does: every collective returns a tensor of the size a real one would, its
+pages written, so it is resident).
+
+The measurement (DESIGN.md, "Performance evidence"): the process runs with
+``MALLOC_MMAP_THRESHOLD_=65536``, so every block over 64 KiB is its own mapping and leaves the
+resident set when it is freed. The model is built, compiled and warmed up (two full steps at
+the measured length: both graphs compiled, parameter gradients allocated and then kept, zeroed,
+with ``zero_grad(set_to_none=False)``, so the step's weight-gradient accumulation writes into
+existing buffers), the inputs are made, and then:
+
+1. ``before`` = ``VmRSS``: model, gradients, inputs, compiled code, Python: everything that is not
+   the step's;
+2. ``5`` is written to ``/proc/self/clear_refs``, which resets ``VmHWM`` (the peak resident set)
+   to the present resident set;
+3. one step (forward and backward) runs;
+4. the activation peak is ``VmHWM - before``.
+
+What that holds besides activations: one parameter-sized weight gradient at a time before it is
+added to ``.grad`` (the models here are small: a few MiB), and allocator noise under 64 KiB per
+block. The model's prediction of the same thing is the per-token part of its peak,
+``memory_coefficients(sp, policy).bytes_per_token * tokens`` (the fixed part is model state and the
+runtime's reserve, which ``before`` holds), for a :class:`ModelProfile` of the exact shape (fp32:
+``dtype_bytes=4``).
+
+Writes ``benchmarks/results/memory_peaks_cpu.md`` and ``.json``. Run::
+
+    PYTHONPATH=. python benchmarks/memory_peaks.py                 # every point (about 30 min, 2 cores)
+    PYTHONPATH=. python benchmarks/memory_peaks.py --models tinygpt --sp 1 2 --policies none full
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+POLICIES = ("none", "attention", "selective", "full")
+SP_SIZES = (1, 2, 4)
+MMAP_THRESHOLD = "65536"
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A small model and the length of the measured micro-batch (one sample)."""
+
+    name: str
+    hidden: int
+    heads: int
+    layers: int
+    tokens: int
+    vocab: int = 0  # TinyGPT
+    patch_dim: int = 0  # VideoDiT
+    text_tokens: int = 0
+    clip: tuple[int, int, int] = (0, 0, 0)  # VideoDiT: frames, rows, columns of patches
+
+
+MODELS = {
+    "tinygpt": ModelSpec("tinygpt", hidden=128, heads=4, layers=2, tokens=8192, vocab=512),
+    "videodit": ModelSpec("videodit", hidden=128, heads=4, layers=2, tokens=8 * 32 * 32, patch_dim=16,
+                          text_tokens=120, clip=(8, 32, 32)),
+}
+
+
+def profile_of(spec: ModelSpec):
+    """The cost model's profile of the same shape (fp32 activations)."""
+    from dcp_compile.schedule.model_profile import ModelProfile
+
+    if spec.name == "tinygpt":
+        return ModelProfile.transformer(
+            "tinygpt", num_layers=spec.layers, hidden_size=spec.hidden, num_heads=spec.heads,
+            ffn_hidden_size=4 * spec.hidden, vocab_size=spec.vocab, causal=True, rotary=True, dtype_bytes=4,
+        )
+    return ModelProfile.transformer(
+        "videodit", num_layers=spec.layers, hidden_size=spec.hidden, num_heads=spec.heads,
+        ffn_hidden_size=4 * spec.hidden, causal=False, cross_attention_tokens=spec.text_tokens,
+        output_channels=spec.patch_dim, adaptive_norm=True, dtype_bytes=4,
+    )
+
+
+def predicted_bytes(spec: ModelSpec, sp: int, policy: str) -> float:
+    from dcp_compile.schedule.analytic import memory_coefficients
+
+    return memory_coefficients(profile_of(spec), sp, policy).bytes_per_token * spec.tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# One point, in its own process
+# ---------------------------------------------------------------------------------------------
+def _status(key: str) -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+
+
+def _build(spec: ModelSpec):
+    import torch
+
+    from dcp_compile.demo.example_models import TinyGPT, VideoDiT, video_dit_inputs
+
+    torch.manual_seed(0)
+    if spec.name == "tinygpt":
+        model = TinyGPT(vocab=spec.vocab, hidden=spec.hidden, layers=spec.layers, heads=spec.heads)
+        ids = torch.randint(0, spec.vocab, (1, spec.tokens), generator=torch.Generator().manual_seed(0))
+        return model, {"input_ids": ids, "labels": ids.clone()}
+    model = VideoDiT(patch_dim=spec.patch_dim, hidden=spec.hidden, heads=spec.heads, layers=spec.layers)
+    _, rows, columns = spec.clip
+    if spec.tokens % (rows * columns):
+        raise ValueError(f"{spec.name}: {spec.tokens} tokens is not a whole number of {rows}x{columns} frames")
+    clip = (spec.tokens // (rows * columns), rows, columns)  # the length sets the frame count
+    inputs = video_dit_inputs(clip, 1, torch.Generator().manual_seed(0), patch_dim=spec.patch_dim,
+                              hidden=spec.hidden, text_tokens=spec.text_tokens)
+    return model, inputs
+
+
+def measure_point(spec: ModelSpec, sp: int, policy: str, inner: str = "aot_eager") -> dict[str, Any]:
+    """Run in a fresh process (``--point``): the activation peak of one step, in bytes."""
+    import contextlib
+    import gc
+
+    import torch
+
+    import dcp_compile as dcp
+    from dcp_compile.device_profile.fake_world import fake_world
+    from dcp_compile.variant import Variant
+
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
+        raise RuntimeError(f"run with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} (freed blocks must leave the resident set)")
+    torch.set_num_threads(1)
+    world = fake_world(sp) if sp > 1 else contextlib.nullcontext()
+    with world:
+        model, inputs = _build(spec)
+        options = {"inner": inner, "check_ranks": False}
+        options.update({"sp_size": 1} if sp == 1 else {"buckets": [{"max_len": None, "sp_size": sp}]})
+        compiled = torch.compile(model, backend="dcp", dynamic=True, options=options)
+        variant = Variant(sp, policy)
+
+        def step() -> None:
+            with dcp.use(variant):
+                loss = compiled(**inputs)
+            loss.backward()
+
+        started = time.perf_counter()
+        for _ in range(2):  # compile, then one warm step
+            step()
+            model.zero_grad(set_to_none=False)
+        warm_seconds = time.perf_counter() - started
+        gc.collect()
+        before = _status("VmRSS")
+        _reset_peak()
+        started = time.perf_counter()
+        step()
+        seconds = time.perf_counter() - started
+        peak = _status("VmHWM")
+        after = _status("VmRSS")
+        model.zero_grad(set_to_none=False)
+    return {
+        "model": spec.name, "sp": sp, "policy": policy, "tokens": spec.tokens, "inner": inner,
+        "rss_before": before, "vm_hwm": peak, "rss_after": after, "measured": peak - before,
+        "step_seconds": seconds, "warmup_seconds": warm_seconds,
+    }
+
+
+def run_point(spec: ModelSpec, sp: int, policy: str, inner: str, timeout: float) -> dict[str, Any]:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, str(Path(__file__).resolve()), "--point", spec.name, str(sp), policy,
+               "--inner", inner, "--tokens", str(spec.tokens)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"point {spec.name} sp={sp} {policy} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------
+def with_prediction(row: dict[str, Any]) -> dict[str, Any]:
+    """The row with the cost model's prediction of its activation peak, as the model prices it now."""
+    spec = MODELS[row["model"]]
+    if row["tokens"] != spec.tokens:
+        spec = ModelSpec(**{**spec.__dict__, "tokens": row["tokens"]})
+    predicted = predicted_bytes(spec, row["sp"], row["policy"])
+    return {**row, "predicted": predicted, "error": (predicted - row["measured"]) / row["measured"]}
+
+
+def write_tables(rows: list[dict[str, Any]], header: dict[str, Any], stem: str = "memory_peaks_cpu") -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
+    lines = [
+        "# Activation peak of one training step: measured on CPU vs the cost model",
+        "",
+        f"Written by `benchmarks/memory_peaks.py` (commit {header['commit']}, {header['date']}); "
+        f"{header['machine']}, torch {header['torch']}, inner compiler `{header['inner']}`, 1 thread.",
+        "",
+        "**Measured**: the peak resident set of a fresh process per point during one forward + backward, "
+        "above its resident set just before the step (model built, compiled and warmed up by two steps, "
+        "gradient buffers kept, inputs made), with `MALLOC_MMAP_THRESHOLD_=65536` and `VmHWM` reset by "
+        "writing `5` to `/proc/self/clear_refs` before the step. SP > 1: rank 0's share on a one-process "
+        "fake world. **Model**: `memory_coefficients(sp, policy).bytes_per_token * tokens` for a "
+        "`ModelProfile.transformer` of the same shape, fp32. Error = (model - measured) / measured: "
+        "negative means the model under-prices (a plan it admits could not fit).",
+        "",
+        "| model | tokens | policy | SP | measured MiB | model MiB | error | step s |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['model']} | {row['tokens']} | {row['policy']} | {row['sp']} | {row['measured'] / MiB:.1f} | "
+            f"{row['predicted'] / MiB:.1f} | {100 * row['error']:+.1f}% | {row['step_seconds']:.1f} |")
+    errors = [abs(r["error"]) for r in rows]
+    if errors:
+        lines += ["", f"Worst |error| {100 * max(errors):.1f}%, median {100 * sorted(errors)[len(errors) // 2]:.1f}%, "
+                  f"{sum(e <= 0.10 for e in errors)} of {len(errors)} points within 10%."]
+    notes = header.get("notes") or []
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in notes]
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--point", nargs=3, metavar=("MODEL", "SP", "POLICY"), help=argparse.SUPPRESS)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    parser.add_argument("--sp", nargs="+", type=int, default=list(SP_SIZES))
+    parser.add_argument("--tokens", type=int, default=None, help="override each model's micro-batch length")
+    parser.add_argument("--inner", default="aot_eager")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per point")
+    parser.add_argument("--stem", default="memory_peaks_cpu", help="results file name (no extension)")
+    parser.add_argument("--reprice", action="store_true",
+                        help="measure nothing: reprice the rows of the existing results file with the present model")
+    args = parser.parse_args(argv)
+    if args.point:
+        name, sp, policy = args.point
+        spec = MODELS[name]
+        if args.tokens:
+            spec = ModelSpec(**{**spec.__dict__, "tokens": args.tokens})
+        print(json.dumps(measure_point(spec, int(sp), policy, args.inner)), flush=True)
+        return
+
+    if args.reprice:
+        data = json.loads((RESULTS / f"{args.stem}.json").read_text())
+        write_tables([with_prediction(row) for row in data["rows"]], data["header"], args.stem)
+        return
+
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    header = {"commit": commit, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "inner": args.inner,
+              "machine": f"{platform.machine()} CPU ({os.cpu_count()} cores)"}
+    rows: list[dict[str, Any]] = []
+    for name in args.models:
+        spec = MODELS[name]
+        if args.tokens:
+            spec = ModelSpec(**{**spec.__dict__, "tokens": args.tokens})
+        for policy in args.policies:
+            for sp in args.sp:
+                row = run_point(spec, sp, policy, args.inner, args.timeout)
+                try:
+                    row = with_prediction(row)
+                except TypeError:  # a profile keyword this checkout's model lacks: measure now, reprice later
+                    row = {**row, "predicted": float("nan"), "error": float("nan")}
+                rows.append(row)
+                print(f"{name:>9} {policy:>9} sp={sp}: measured {row['measured'] / MiB:8.1f} MiB, model "
+                      f"{row['predicted'] / MiB:8.1f} MiB ({100 * row['error']:+.1f}%), step {row['step_seconds']:.1f} s",
+                      flush=True)
+                write_tables(rows, header, args.stem)
+
+
+if __name__ == "__main__":
+    main()
