@@ -74,6 +74,10 @@ MODELS = {
     "tinygpt": ModelSpec("tinygpt", hidden=128, heads=4, layers=2, tokens=8192, vocab=512),
     "videodit": ModelSpec("videodit", hidden=128, heads=4, layers=2, tokens=8 * 32 * 32, patch_dim=16,
                           text_tokens=120, clip=(8, 32, 32)),
+    # 3 heads: SP 2 and 4 do not divide them, so self-attention runs as ring x2 / ring x4 (and the
+    # cross-attention as padded Ulysses).
+    "videodit-3heads": ModelSpec("videodit-3heads", hidden=96, heads=3, layers=2, tokens=4 * 32 * 32, patch_dim=16,
+                                 text_tokens=120, clip=(4, 32, 32)),
 }
 
 
@@ -87,7 +91,7 @@ def profile_of(spec: ModelSpec):
             ffn_hidden_size=4 * spec.hidden, vocab_size=spec.vocab, causal=True, rotary=True, dtype_bytes=4,
         )
     return ModelProfile.transformer(
-        "videodit", num_layers=spec.layers, hidden_size=spec.hidden, num_heads=spec.heads,
+        spec.name, num_layers=spec.layers, hidden_size=spec.hidden, num_heads=spec.heads,
         ffn_hidden_size=4 * spec.hidden, causal=False, cross_attention_tokens=spec.text_tokens,
         output_channels=spec.patch_dim, adaptive_norm=True, dtype_bytes=4,
     )
