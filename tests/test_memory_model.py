@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 import dcp_compile as dcp
 from dcp_compile.schedule.analytic import memory_coefficients
