@@ -26,18 +26,18 @@ cd7ac04). ``published_setting(..., compute=cost_model)`` takes a profiled cost m
 
 Deviations, from the run (``simulated  published  deviation``; none within +-25%):
 
-    video short-dominated  bucket-parallel   3.80  0.90 +323%
-    video short-dominated  dcp-inter         5.21  2.24 +133%
-    video balanced         bucket-parallel   3.67  1.16 +217%
-    video balanced         dcp-inter         4.94  2.06 +140%
-    video long-dominated   bucket-parallel   3.85  1.54 +150%
-    video long-dominated   dcp-inter         4.98  1.97 +153%
+    video short-dominated  bucket-parallel   3.58  0.90 +297%
+    video short-dominated  dcp-inter         4.91  2.24 +119%
+    video balanced         bucket-parallel   3.45  1.16 +197%
+    video balanced         dcp-inter         4.59  2.06 +123%
+    video long-dominated   bucket-parallel   3.62  1.54 +135%
+    video long-dominated   dcp-inter         4.58  1.97 +133%
 
-Why, as far as we can name it: the level (2.3-4.2x the published figures) is the datasheet
+Why, as far as we can name it: the level (2.3-4.0x the published figures) is the datasheet
 efficiencies, far above what the published stack reaches on a width-1152 DiT; only a profile of
 an STDiT3-like block on a GPU can set it, and none exists yet. The shape: the published bucket
 parallel falls from 1.54 to 0.90 as images grow in the mix, ours stays flat (DCP-inter / bucket
-parallel 1.37 / 1.35 / 1.29 against the published 2.49 / 1.78 / 1.28): under the released SP a
+parallel 1.37 / 1.33 / 1.27 against the published 2.49 / 1.78 / 1.28): under the released SP a
 batch of images at SP 4 is split over the batch with nothing wasted at the profiled batch sizes,
 so the model prices a 144p image at SP 4 about 1.5x a video per token (mostly its text context),
 and whatever makes images slow in the published baseline is not in the model. The ranking
