@@ -178,7 +178,8 @@ class ModelProfile:
           each block's gradients from the block it received;
         * under ``none``: for each of the ``r`` blocks its fp32 output, log-sum-exp and merge
           weight (``dcp::attention_block`` saves its output and log-sum-exp, the online-softmax
-          merge its weights) in place of one attention output and log-sum-exp;
+          merge its weights) in place of one attention output and log-sum-exp (causal: the last
+          ring position uses all ``r`` blocks, the earlier ones fewer; the busiest rank is priced);
         * ``attention`` keeps what ``none`` keeps: its recomputation starts from SDPA, which a ring
           site no longer holds;
         * at ``u > 1`` the head all-to-alls' q, k, v (no KV replication: ``u`` divides the KV
