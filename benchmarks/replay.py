@@ -343,6 +343,25 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any], progress: Progress)
     return "\n".join(lines) + "\n"
 
 
+def merge(paths: Sequence[str], out: Path) -> int:
+    """One page from results files of the same setup written by several processes (each block's
+    micro-batches were timed within its own process; the link model is each process's own)."""
+    parts = [json.loads(Path(path).read_text()) for path in paths]
+    meta = dict(parts[0])
+    rows = [row for part in parts for row in part.pop("rows")]
+    meta["setup"] = dict(meta["setup"], worlds=sorted({r["world"] for r in rows}),
+                         distributions=sorted({r["distribution"] for r in rows}))
+    meta["micro_batches"] = sum(part["micro_batches"] for part in parts)
+    meta["elapsed"] = sum(part["elapsed"] for part in parts)
+    meta["status"] = "; ".join(f"{Path(path).name}: {part['status']}" for path, part in zip(paths, parts))
+    meta["links"] = " / ".join(dict.fromkeys(part["links"] for part in parts))
+    tag = Path(paths[0]).stem.removeprefix("replay_")
+    write_atomic(out / f"replay_{tag}.md", report(rows, meta, Progress(0)))
+    write_atomic(out / f"replay_{tag}.json", json.dumps({**meta, "rows": rows}, indent=1, default=str))
+    print((out / f"replay_{tag}.md").read_text())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -350,15 +369,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--inner", default=None, choices=["inductor", "aot_eager", "eager"],
                         help="inner compiler (default: aot_eager; Inductor compiles every SP size up to 32)")
     parser.add_argument("--profile-cache", default=None, help="a cost model JSON to reuse (dcp.profile's path=)")
-    parser.add_argument("--worlds", type=int, nargs="+", default=None, help="override the setup's worlds")
+    parser.add_argument("--worlds", type=int, nargs="+", default=None, help="only these of the setup's worlds")
+    parser.add_argument("--distributions", nargs="+", default=None, help="only these of the setup's distributions")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="only these of the setup's seeds")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="write one page from the rows of these results files (runs split over processes) and exit")
     parser.add_argument("--out-dir", default=str(RESULTS))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
     setup = setup_for(device, args.tiny)
-    if args.worlds:
-        setup["worlds"] = args.worlds
+    if args.merge:
+        return merge(args.merge, Path(args.out_dir))
+    for name, chosen in (("worlds", args.worlds), ("distributions", args.distributions), ("seeds", args.seeds)):
+        if chosen:
+            unknown = set(chosen) - set(setup[name])
+            if unknown:
+                raise SystemExit(f"replay: {sorted(unknown)} not among the setup's {name} {setup[name]} "
+                                 f"(benchmarks/workloads.json, setup {setup['name']})")
+            setup[name] = list(chosen)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(setup, device, dtype)
     hardware, link_text = link_model(device)
@@ -372,9 +402,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          num_heads=m["heads"], ffn_hidden_size=4 * m["width"], vocab_size=vocab,
                                          causal=True, dtype_bytes=2 if dtype == torch.bfloat16 else 4)
     profile_lengths = [context // 16, context // 8, context // 4, context // 2, context]
-    policies = [p.value for p in dcp.RecomputePolicy] if device.type == "cuda" else ["none", "full"]
+    # Two policies are profiled (each variant is a compile of its own: on a lent GPU's minutes the
+    # replay's first block must come first); the others get the analytic prior scaled to them.
+    policies = ["none", "full"]
+    # On a GPU each variant compiled is lease time: profile SP 1 and 8 (the others get the prior scaled).
+    profile_sizes = (1, 8) if device.type == "cuda" else (1, 2, 4, 8)
     cost_model = dcp.profile(model, packed_inputs(vocab, device), lengths=profile_lengths,
-                             sp_sizes=(1, 2, 4, 8), recompute=policies, causal=True, prior=prior, hardware=hardware,
+                             sp_sizes=profile_sizes, recompute=policies, causal=True, prior=prior, hardware=hardware,
                              inner=inner, packed=True, repeats=max(1, setup["repeats"]), path=args.profile_cache)
     cost_model = replace(cost_model, hardware=hardware)  # a cached profile keeps this run's link model
     if device.type == "cpu":
