@@ -41,6 +41,7 @@ import torch
 
 import dcp_compile as dcp
 from dcp_compile.demo.example_models import TinyGPT, VideoDiT, video_dit_inputs
+from dcp_compile.device_profile import MEASURED_POLICIES
 from dcp_compile.device_profile.device_timing import device_name, software_versions
 from dcp_compile.device_profile.partial_results import DRY_RUN_LABEL, Progress, interruptible, write_atomic
 from dcp_compile.schedule.hardware import Hardware, preset_for_device_name
@@ -125,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sp", type=int, nargs="+", default=None, help="SP sizes, in the order run (default 1 2 4 8; "
                         "1 2 with --tiny)")
     parser.add_argument("--recompute", nargs="+", default=None,
-                        help="recompute policies (default every policy; none full with --tiny)")
+                        help="recompute policies (default every policy dcp.profile measures: all but block, "
+                             "whose compute is full's; none full with --tiny)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 5; 1 with --tiny)")
     parser.add_argument("--inner", default=None, choices=["inductor", "aot_eager", "eager"],
                         help="inner compiler (default: inductor on a GPU, aot_eager on a CPU)")
@@ -138,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out-dir", default=str(RESULTS))
     args = parser.parse_args(argv)
     args.sp = args.sp or ([1, 2] if args.tiny else [1, 2, 4, 8])
-    args.recompute = args.recompute or (["none", "full"] if args.tiny else [p.value for p in dcp.RecomputePolicy])
+    args.recompute = args.recompute or (["none", "full"] if args.tiny else [p.value for p in MEASURED_POLICIES])
     args.repeats = args.repeats or (1 if args.tiny else 5)
     device = torch.device(args.device)
     gpu = device.type == "cuda"

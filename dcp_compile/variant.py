@@ -25,16 +25,29 @@ class RecomputePolicy(str, enum.Enum):
       the blocks form one region of their own: what they hand every block (a RoPE table built
       once) is kept like a block input, and what the head needs (final norm, output head, loss)
       is recomputed, together with the last block, from the last block's input; the last block's
-      output is not kept.
+      output is not kept. The all-to-alls' outputs inside a block (q, k, v as they arrive, the
+      attention output as it returns) are kept too, as under every policy but ``block``: backward
+      recomputes the block from them and its input without communicating.
+    * ``block``: checkpoint whole blocks as ``torch.utils.checkpoint`` does: each block keeps only
+      its input, and backward re-runs the block's forward, its all-to-alls included. It differs
+      from ``full`` in what happens to the collectives inside a block: ``full`` keeps their
+      outputs, so each layer still holds q, k, v and the attention output at SP > 1 (what a rank
+      keeps per token grows with the SP size); ``block`` sends them again in backward (a layer
+      sends 12 all-to-alls per micro-batch instead of 8) and keeps nothing per layer but the
+      block's input, so what a rank holds per token no longer depends on the SP size. Ops
+      outside the blocks and their collectives are handled as under ``full``.
 
-    Collective outputs are kept under every policy (re-sending an all-to-all costs more than
-    storing its result). The values are strings, so ``policy == "full"`` and JSON work as before.
+    Collective outputs are kept under every other policy (re-sending an all-to-all costs more
+    than storing its result), and outside the blocks under ``block`` too. The values are strings,
+    so ``policy == "full"`` and JSON work as before. ``RECOMPUTE_POLICIES`` lists them fastest
+    first, least memory last: the planner takes the first that fits.
     """
 
     NONE = "none"
     ATTENTION = "attention"
     SELECTIVE = "selective"
     FULL = "full"
+    BLOCK = "block"
 
     def __str__(self) -> str:
         return self.value
@@ -58,6 +71,15 @@ class RecomputePolicy(str, enum.Enum):
 
 
 RECOMPUTE_POLICIES: tuple[RecomputePolicy, ...] = tuple(RecomputePolicy)
+
+
+def resends_collectives(recompute: RecomputePolicy | str, collectives_recomputed: bool = False) -> bool:
+    """Whether a variant's backward re-sends its blocks' all-to-alls (whole-block checkpointing):
+    under ``block``, and under ``full`` where ``collectives_recomputed`` prices ``full`` as the
+    published system builds it (``CostModel.collectives_recomputed``, the published baselines).
+    Such a block keeps only its input, and its layer sends 12 all-to-alls per micro-batch, not 8."""
+    recompute = RecomputePolicy.parse(recompute)
+    return recompute is RecomputePolicy.BLOCK or (collectives_recomputed and recompute is RecomputePolicy.FULL)
 
 
 @dataclass(frozen=True)

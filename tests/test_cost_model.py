@@ -16,6 +16,7 @@ from dcp_compile.schedule.cost_model import (
     video_attention_span,
 )
 from dcp_compile.schedule.hardware import Hardware
+from dcp_compile.variant import RecomputePolicy
 
 PRESETS = ("stdit3-xl/2", "llama-3-8b")
 
@@ -41,12 +42,16 @@ def test_time_and_memory_grow_with_length(cost_model: CostModel) -> None:
 
 def test_recompute_trades_memory_for_time(cost_model: CostModel) -> None:
     for sp in (1, 4):
-        times = [cost_model.time([16384], sp, p) for p in RECOMPUTE_POLICIES]
-        memory = [cost_model.peak_memory([16384], sp, p) for p in RECOMPUTE_POLICIES]
+        # Without sequence parallelism `block` is `full` (no all-to-all to keep or send again).
+        policies = RECOMPUTE_POLICIES if sp > 1 else [p for p in RECOMPUTE_POLICIES if p != RecomputePolicy.BLOCK]
+        times = [cost_model.time([16384], sp, p) for p in policies]
+        memory = [cost_model.peak_memory([16384], sp, p) for p in policies]
         assert times == sorted(times) and len(set(times)) == len(times), times
         assert memory == sorted(memory, reverse=True) and len(set(memory)) == len(memory), memory
-        capacities = [cost_model.token_capacity(sp, p, 100e9) for p in RECOMPUTE_POLICIES]
+        capacities = [cost_model.token_capacity(sp, p, 100e9) for p in policies]
         assert capacities == sorted(capacities), capacities
+    assert cost_model.time([16384], 1, "block") == cost_model.time([16384], 1, "full")
+    assert cost_model.peak_memory([16384], 1, "block") == cost_model.peak_memory([16384], 1, "full")
 
 
 def test_sequence_parallel_splits_work_and_memory(cost_model: CostModel) -> None:
@@ -206,3 +211,50 @@ def test_measure_counts_the_traced_model() -> None:
     assert 8 * width * 4 < profile.activation_bytes_per_token["none"] < 100 * width * 4
     model_time = CostModel(profile, Hardware.this_cpu())
     assert model_time.time([64], 1) < model_time.time([128], 1)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_block_is_what_collectives_recomputed_made_of_full(preset: str) -> None:
+    """``block`` is the published whole-block checkpointing that ``collectives_recomputed=True``
+    priced ``full`` as (for the published baselines): the same time, terms and peak memory at
+    every SP size; without the flag ``full`` keeps the all-to-alls' outputs and sends 8 per layer."""
+    profile = ModelProfile.from_config(preset)
+    ours = CostModel(profile, Hardware.H100, optimizer_shards=32)
+    published = CostModel(profile, Hardware.H100, optimizer_shards=32, collectives_recomputed=True)
+    for sp in (1, 2, 8, 32):
+        assert ours.terms([20000, 3000], sp, "block") == published.terms([20000, 3000], sp, "full")
+        assert ours.terms([20000, 3000], sp, "block") == published.terms([20000, 3000], sp, "block")
+        assert ours.memory_coefficients(sp, "block") == published.memory_coefficients(sp, "full")
+        assert ours.token_capacity(sp, "block", 70e9) == published.token_capacity(sp, "full", 70e9)
+    # A layer sends 12 all-to-alls per micro-batch under block, 8 under full.
+    block, full = ours.raw_term_coefficients(8, "block"), ours.raw_term_coefficients(8, "full")
+    assert block["communication"][1] == pytest.approx(1.5 * full["communication"][1], rel=1e-12)
+    assert ours.memory_coefficients(8, "block").bytes_per_token < ours.memory_coefficients(8, "full").bytes_per_token
+
+
+def test_block_capacity_grows_linearly_with_the_sp_size() -> None:
+    """Llama-3-8B on H100s, optimizer state sharded over the world: under ``block`` a rank keeps
+    per token of its share what it keeps at SP 1 (each block's input), so a micro-batch holds about
+    ``P`` times the tokens of SP 1. What does depend on the SP size is the working set of one
+    block's backward: the all-to-alls' outputs it receives again (KV heads replicated up to the SP
+    size) on top of the local q, k, v it rebuilds. Under ``full`` each layer also keeps q, k, v and
+    the attention output as the all-to-alls delivered them, and capacity grows sub-linearly."""
+    profile = ModelProfile.from_config("llama-3-8b")
+    model = CostModel(profile, Hardware.H100, optimizer_shards=32)
+    cap = 0.9 * Hardware.H100.memory_capacity
+    at_sp1 = model.token_capacity(1, "block", cap)
+    assert at_sp1 == model.token_capacity(1, "full", cap) > 0
+    saved_sp1 = profile.saved_activation_bytes_per_token("block", 1)
+    working_sp1 = profile.backward_working_bytes_per_token("block", 1)
+    dtype, head_dim, kv_heads = profile.activation_dtype_bytes, profile.head_dim, profile.num_kv_heads
+    for sp in (2, 8, 32):
+        assert profile.saved_activation_bytes_per_token("block", sp) == saved_sp1
+        received_again = profile.attention_kept_bytes_per_token("full", sp)  # q, k, v delivered, output returned
+        replicated_gradients = dtype * 2 * 2 * head_dim * (max(kv_heads, sp) - kv_heads)
+        extra = profile.backward_working_bytes_per_token("block", sp) - working_sp1
+        assert 0 <= extra <= received_again + replicated_gradients
+        assert model.memory_coefficients(sp, "block").bytes_per_token * sp == pytest.approx(saved_sp1 + working_sp1 + extra)
+    for sp in (8, 32):
+        block, full = model.token_capacity(sp, "block", cap), model.token_capacity(sp, "full", cap)
+        assert block >= 0.98 * sp * at_sp1, (sp, block, at_sp1)
+        assert full < 0.8 * sp * at_sp1, (sp, full, at_sp1)

@@ -150,6 +150,23 @@ def test_measured_variants_plan_with_measured_compute_plus_modelled_communicatio
     assert 0 < measured.time([4096], 4) < math.inf and prior_ratio > 0
 
 
+def test_block_plans_with_the_measured_compute_of_full_and_its_own_communication() -> None:
+    """``dcp.profile`` does not measure ``block`` by default: on its fake world ``block``'s compute
+    is ``full``'s. Where ``full`` was measured at an SP size, ``block`` there costs ``full``'s
+    measured compute plus its own modelled communication (the all-to-alls sent again)."""
+    profile = dcp.ModelProfile.transformer("t", num_layers=2, hidden_size=64, num_heads=4, vocab_size=VOCAB)
+    analytic = dcp.CostModel(profile, dcp.Hardware.this_cpu())
+    measured = dcp.CostModel(profile, dcp.Hardware.this_cpu(), measured=_synthetic_measured())
+    assert dcp.RecomputePolicy.BLOCK not in dcp.device_profile.MEASURED_POLICIES
+    assert measured.source(2, "block") == "measured on test device as full"
+    resent = analytic.terms([700], 2, "block")["communication"] - analytic.terms([700], 2, "full")["communication"]
+    assert resent > 0
+    assert measured.time([700], 2, "block") == pytest.approx(measured.time([700], 2, "full") + resent, rel=1e-9)
+    assert measured.time([700], 1, "block") == pytest.approx(measured.time([700], 1, "full"), rel=1e-12)
+    # Its memory is its own, modelled (it keeps no all-to-all output), not what full measured.
+    assert measured.peak_memory([700], 2, "block") == analytic.peak_memory([700], 2, "block")
+
+
 def test_measured_cost_model_round_trips_through_json(tmp_path) -> None:
     profile = dcp.ModelProfile.transformer("t", num_layers=2, hidden_size=64, num_heads=4, vocab_size=VOCAB)
     model = dcp.CostModel(profile, dcp.Hardware.this_cpu(), measured=_synthetic_measured(ScoreLayout.DENSE_RANGES))

@@ -37,14 +37,17 @@ def wan_1_3b() -> ModelProfile:
 
 
 # --------------------------------------------------------------------------- 1: ring K/V blocks
-@pytest.mark.parametrize("policy", RECOMPUTE_POLICIES)
+@pytest.mark.parametrize("policy", [p for p in RECOMPUTE_POLICIES if p != RecomputePolicy.BLOCK])
 def test_ring_attention_keeps_the_kv_blocks_it_received(policy: RecomputePolicy) -> None:
     """The ring's backward computes each K/V block's gradients from the block it received, so a
     rank keeps all ``r - 1`` received blocks (``S/P`` tokens' worth of K and V each) per layer
-    under every policy: collective outputs are never recomputed. From SP 8 (ring x2) to SP 32
+    under every policy that keeps collective outputs (all but ``block``, which receives them
+    again: it keeps per token what it keeps at SP 1). From SP 8 (ring x2) to SP 32
     (ring x8) a rank's token keeps 6 blocks more per layer. The model used to price a ring layout
     as Ulysses with the KV heads replicated to the SP size: 20 heads more, under half of that."""
     profile = wan_1_3b()
+    assert {profile.saved_activation_bytes_per_token("block", sp) for sp in (1, 8, 16, 32)} == {
+        profile.saved_activation_bytes_per_token("block", 1)}
     dtype, kv_width = profile.activation_dtype_bytes, profile.head_dim * profile.num_kv_heads
     kept = {}
     for sp_size in (8, 16, 32):
@@ -141,7 +144,9 @@ def test_ring_pricing_matches_the_compiled_variants(heads: int, kv_heads: int, s
     match exactly; ``selective`` keeps one more ``hidden``-wide tensor for the whole model (the
     input projection's output, a matmul output, which the profile's head does not price: -4%
     here, with two layers); ``full`` keeps one block input fewer (the partitioner recomputes the
-    first block's input from the graph input): the price is above, within 20% with two layers.
+    first block's input from the graph input): the price is above, within 20% with two layers;
+    ``block`` keeps only the block inputs (the ring's K/V blocks are received again in backward),
+    priced above by the same one block input.
     The model before the fix priced these layouts as Ulysses (-5.5% under ``none`` at SP 4)."""
     length = 256
     threads = torch.get_num_threads()
@@ -164,6 +169,11 @@ def test_ring_pricing_matches_the_compiled_variants(heads: int, kv_heads: int, s
     assert compiled == pytest.approx(priced, rel=0.05), table
     compiled, priced, _ = table["full"]
     assert compiled <= priced <= 1.2 * compiled, table
+    # `block` receives the K/V blocks again in backward: it keeps the block inputs only, priced
+    # above the compiled variant by the same one block input as `full`.
+    compiled_block, priced_block, _ = table["block"]
+    assert priced_block - compiled_block == priced - compiled, table
+    assert compiled_block < compiled, table
 
 
 # --------------------------------------------------------------------------- 2: all-to-all width

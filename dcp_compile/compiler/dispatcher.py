@@ -30,7 +30,9 @@ from dcp_compile.runtime.consistency import PendingCheck, SettledAfterCall, chec
 from dcp_compile.runtime.graph_parameters import note_graph_call, note_graph_outputs
 from dcp_compile.runtime.process_groups import current_world, sp_group
 from dcp_compile.compiler.record import GraphRecord, VariantRecord
-from dcp_compile.compiler.regions import INNER_REGION_COMPILERS, REGIONAL_POLICIES, describe_regions, regional_module
+from dcp_compile.compiler.regions import (
+    INNER_REGION_COMPILERS, REGIONAL_POLICIES, describe_regions, regional_module, whole_graph_reason,
+)
 from dcp_compile.compiler.self_check import check_first_call
 from dcp_compile.compiler.variant_selection import BucketTable, active_sequence_boundaries, active_variant
 from dcp_compile.compiler.passes.use_varlen_attention import choose_packed_attention, packed_sites
@@ -232,7 +234,7 @@ class Dispatcher:
             variant_record.regions = f"not used: inner={self.options.inner} compiles nothing to share"
             return None
         if variant.recompute not in REGIONAL_POLICIES:
-            variant_record.regions = f"not used: recompute={variant.recompute} picks ops inside regions"
+            variant_record.regions = f"not used: {whole_graph_reason(variant.recompute)}"
             return None
         parent, plan = regional_module(gm, self.options.inner, variant.recompute, variant_record.uncompiled_regions)
         variant_record.regions = describe_regions(plan)

@@ -4,6 +4,6 @@ Imports point one way: this package uses the compiler (to build and run the vari
 (process groups) and the scheduler (the cost model it returns); none of those import it.
 """
 
-from .runner import default_held_out_lengths, profile
+from .runner import MEASURED_POLICIES, default_held_out_lengths, profile
 
-__all__ = ["default_held_out_lengths", "profile"]
+__all__ = ["MEASURED_POLICIES", "default_held_out_lengths", "profile"]

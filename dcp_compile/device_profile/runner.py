@@ -28,6 +28,11 @@ from .fake_world import fake_world
 log = logging.getLogger(__name__)
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048)
+# The policies measured by default. Not `block`: on the one-process fake world its per-rank
+# compute is `full`'s (the all-to-alls it sends again cost nothing there), so its compute is
+# priced from `full`'s measured fit (MeasuredCosts.nearest_fit) and its communication and memory
+# are modelled; one more compiled variant per SP size would measure nothing new.
+MEASURED_POLICIES: tuple[RecomputePolicy, ...] = tuple(p for p in RECOMPUTE_POLICIES if p is not RecomputePolicy.BLOCK)
 
 
 def default_held_out_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
@@ -55,7 +60,7 @@ def profile(
     lengths: Sequence[int] = DEFAULT_LENGTHS,
     held_out: Sequence[int] | None = None,
     sp_sizes: Sequence[int] = (1, 2, 4, 8),
-    recompute: Sequence[RecomputePolicy | str] = RECOMPUTE_POLICIES,
+    recompute: Sequence[RecomputePolicy | str] = MEASURED_POLICIES,
     causal: bool = False,
     prior: ModelProfile | None = None,
     hardware: Hardware | None = None,
@@ -71,7 +76,8 @@ def profile(
 ) -> CostModel:
     """Time the compiled model's per-rank work of every variant on this device; return the cost model.
 
-    For each SP size in ``sp_sizes`` and each policy in ``recompute``, the model compiled with
+    For each SP size in ``sp_sizes`` and each policy in ``recompute`` (default: every policy but
+    ``block``, whose compute is ``full``'s: :data:`MEASURED_POLICIES`), the model compiled with
     ``backend="dcp"`` runs that variant on a one-process fake world (collectives cost nothing:
     see :mod:`.fake_world`) at each of ``lengths`` (tokens of one sample; ``make_inputs(length)``
     builds its inputs, as for :meth:`dcp.ModelProfile.measure`), forward and backward, timed

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Sequence
 
-from dcp_compile.variant import RecomputePolicy
+from dcp_compile.variant import RecomputePolicy, resends_collectives
 
 from .attention_communication import attention_communication
 from .hardware import Hardware
@@ -121,9 +121,9 @@ def raw_term_coefficients(
 ) -> dict[str, tuple[float, float, float]]:
     """Unscaled seconds of each term as ``(fixed, per_token, per_token_key)`` coefficients.
 
-    ``collectives_recomputed``: whole-block checkpointing (the published system's): under ``full``
-    backward re-runs each block's forward, its 4 all-to-alls included, so a layer sends 12 of them
-    per micro-batch instead of 8."""
+    ``block`` (whole-block checkpointing, the published system's ``full``): backward re-runs each
+    block's forward, its 4 all-to-alls included, so a layer sends 12 of them per micro-batch
+    instead of 8. ``collectives_recomputed`` prices ``full`` so too."""
     recompute = RecomputePolicy.parse(recompute)
     if sp_size < 1:
         raise ValueError(f"sp_size must be >= 1, got {sp_size}")
@@ -141,7 +141,7 @@ def raw_term_coefficients(
     # 4 all-to-alls forward (q, k, v, out) and the same 4 backward per attention layer, or the
     # ring (x Ulysses) steps where the SP size does not divide the heads; a recomputed block
     # sends its forward's again.
-    passes = 3 if collectives_recomputed and recompute == RecomputePolicy.FULL else 2
+    passes = 3 if resends_collectives(recompute, collectives_recomputed) else 2
     communication_fixed, communication_per_token = attention_communication(profile, hardware, sp_size, passes)
     overhead = profile.num_layers * hardware.layer_overhead_s
     return {

@@ -148,11 +148,15 @@ class CostModel:
 
     def source(self, sp_size: int, recompute: RecomputePolicy | str = "none") -> str:
         """Where this variant's compute time comes from: ``measured on <device>``, ``analytic
-        prior scaled to sp=<n>/<policy> measured on <device>``, or ``analytic``."""
+        prior scaled to sp=<n>/<policy> measured on <device>``, or ``analytic`` (``block`` unmeasured
+        where ``full`` was measured at its SP size: ``full``'s compute, ``measured on <device> as full``)."""
         if self.measured is None:
             return "analytic"
         if self.measured.fit_for(sp_size, recompute) is not None:
             return f"measured on {self.measured.device}"
+        twin = self.measured.compute_fit_for(sp_size, recompute)
+        if twin is not None:
+            return f"measured on {self.measured.device} as {twin.recompute.value}"
         nearest = self.measured.nearest_fit(sp_size, recompute)
         if nearest is None:
             return "analytic"
@@ -265,7 +269,7 @@ def _time_coefficients(model: CostModel, sp_size: int, recompute: RecomputePolic
     if model.measured is None:
         return TimeCoefficients(*_scaled_sum(model, raw, COST_TERMS), per_sequence=per_sequence)
     communication = _scaled_sum(model, raw, ("communication",))
-    fit = model.measured.fit_for(sp_size, recompute)
+    fit = model.measured.compute_fit_for(sp_size, recompute)  # block: full's compute, its own communication
     if fit is not None and fit.per_sequence is not None:  # packed rows of several sequences were timed
         return TimeCoefficients(
             fit.fixed + communication[0], fit.per_token + communication[1], fit.per_token_key + communication[2],

@@ -2,10 +2,12 @@
 the published pyramid recompute.
 
 The published system chooses, per bucket, which layers run unchecked (a 0/1 choice per layer
-between "keep everything" and "checkpoint the block"). Here each layer may take any of the four
-policies (``none``, ``attention``, ``selective``, ``full``); the model's layers are alike, so a
-mix is a count per policy, and the best mix under a memory cap is found by trying every count
-split (``C(L + 3, 3)`` of them: 32k for 56 layers, about 30 ms). Time and memory are linear in
+between "keep everything" and "checkpoint the block"). Here each layer may take any of the
+policies (``none``, ``attention``, ``selective``, ``full``, ``block``); the model's layers are
+alike, so a mix is a count per policy, and the best mix under a memory cap is found by trying
+every count split (``C(L + k - 1, k - 1)`` for ``k`` policies: 32k for 56 layers and 4, about
+30 ms). A policy no faster and no smaller than another is dropped first (it can be swapped for
+the other in any mix at no cost): ``block`` at SP 1, or where ``full`` is priced as it. Time and memory are linear in
 the counts: each layer contributes its share (``1 / L``) of the whole-model difference between
 policies, which is how the cost model builds them.
 
@@ -53,6 +55,9 @@ def best_layer_mix(
     total = cost_model.profile.num_layers
     times = {p: cost_model.time(lengths, sp_size, p, spans) for p in policies}
     peaks = {p: cost_model.peak_memory(lengths, sp_size, p) for p in policies}
+    policies = [p for i, p in enumerate(policies) if not any(
+        times[q] <= times[p] and peaks[q] <= peaks[p] and (j < i or times[q] < times[p] or peaks[q] < peaks[p])
+        for j, q in enumerate(policies) if q is not p)]
     best: LayerMix | None = None
 
     def visit(index: int, left: int, counts: dict[RecomputePolicy, int]) -> None:

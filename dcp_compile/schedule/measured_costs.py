@@ -144,11 +144,25 @@ class MeasuredCosts:
                 return fit
         return None
 
+    def compute_fit_for(self, sp_size: int, recompute: RecomputePolicy | str) -> VariantFit | None:
+        """The fit whose compute time this variant has: its own, or for ``block`` ``full``'s at the
+        same SP size (the same per-rank compute: the all-to-alls ``block`` sends again are
+        communication, which is modelled, and they cost nothing on the profile's fake world).
+        Its memory is not ``full``'s: only :meth:`fit_for` gives measured memory."""
+        fit = self.fit_for(sp_size, recompute)
+        if fit is None and RecomputePolicy.parse(recompute) is RecomputePolicy.BLOCK:
+            fit = self.fit_for(sp_size, RecomputePolicy.FULL)
+        return fit
+
     def nearest_fit(self, sp_size: int, recompute: RecomputePolicy | str) -> VariantFit | None:
-        """The measured variant closest to an unmeasured one: the same policy, the largest SP size
-        not above it (else the smallest above it); used to scale the analytic prior."""
+        """The measured variant closest to an unmeasured one: the same policy (``block``: else
+        ``full``, whose per-rank compute it repeats; only its communication differs), the largest
+        SP size not above it (else the smallest above it); used to scale the analytic prior."""
         recompute = RecomputePolicy.parse(recompute)
-        same = [f for f in self.fits if f.recompute == recompute] or list(self.fits)
+        same = [f for f in self.fits if f.recompute == recompute]
+        if not same and recompute is RecomputePolicy.BLOCK:
+            same = [f for f in self.fits if f.recompute == RecomputePolicy.FULL]
+        same = same or list(self.fits)
         if not same:
             return None
         below = [f for f in same if f.sp_size <= sp_size]

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from dcp_compile.attention_layout import AttentionLayout, choose_attention_layout
-from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy
+from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, resends_collectives
 
 from .presets import FP32_BYTES, config_shape, preset_shape, transformer_fields
 from .profiling import measure_fields
@@ -84,6 +84,14 @@ class ModelProfile:
     num_cross_attention_layers: int = 0
 
     def __post_init__(self) -> None:
+        # `block` keeps and recomputes at SP 1 what `full` does (it differs only in the all-to-alls):
+        # profiles written before it existed, or built by hand with the four older policies, get
+        # `full`'s entries for it.
+        for key in ("activation_bytes_per_token", "recompute_forward_fraction", "head_activation_bytes_per_token",
+                    "recomputed_bytes_per_token"):
+            entries = getattr(self, key)
+            if RecomputePolicy.FULL in entries and RecomputePolicy.BLOCK not in entries:
+                object.__setattr__(self, key, {**entries, RecomputePolicy.BLOCK.value: entries[RecomputePolicy.FULL]})
         if not self.head_activation_bytes_per_token:
             object.__setattr__(self, "head_activation_bytes_per_token", {p.value: 0.0 for p in RECOMPUTE_POLICIES})
         if not self.recomputed_bytes_per_token and all(p in self.activation_bytes_per_token for p in RECOMPUTE_POLICIES):
@@ -127,15 +135,16 @@ class ModelProfile:
         does not divide the heads the compiler runs ring (or Ulysses x ring) attention, which
         keeps more: see :meth:`attention_kept_bytes_per_token`.
 
-        ``collectives_recomputed``: whole-block checkpointing as the published system does it
-        (``torch.utils.checkpoint`` around each block): under ``full`` a block keeps only its
-        input, the all-to-alls inside it run again in backward (priced as time by
-        :func:`.analytic.raw_term_coefficients`), so nothing per layer depends on the SP size.
+        ``block`` (whole-block checkpointing, as ``torch.utils.checkpoint`` around each block does
+        it): a block keeps only its input, the all-to-alls inside it run again in backward (priced
+        as time by :func:`.analytic.raw_term_coefficients`), so nothing per layer depends on the
+        SP size. ``collectives_recomputed`` prices ``full`` as ``block`` (the published system's
+        ``full``, which the published baselines plan with).
         """
-        recompute = RecomputePolicy.parse(recompute)
+        recompute = self.priced_policy(recompute, collectives_recomputed)
         saved = self.num_layers * self.activation_bytes_per_token[recompute]
         saved += self.head_activation_bytes_per_token[recompute]
-        if collectives_recomputed and recompute == RecomputePolicy.FULL:
+        if recompute is RecomputePolicy.BLOCK:
             return float(saved)
         if sp_size > 1:
             saved += self.num_attention_layers * self.attention_kept_bytes_per_token(recompute, sp_size)
@@ -149,9 +158,9 @@ class ModelProfile:
         (``attention`` keeps them: its recomputation stops at the all-to-all) and, under
         ``selective`` and ``full``, the output all-to-all's result. The ring does not run
         cross-attention: where the SP size does not divide the heads they are padded to the next
-        multiple, and the all-to-alls carry the padded heads."""
+        multiple, and the all-to-alls carry the padded heads. ``block`` keeps none of them."""
         recompute = RecomputePolicy.parse(recompute)
-        if sp_size <= 1:
+        if sp_size <= 1 or recompute is RecomputePolicy.BLOCK:
             return 0.0
         dtype, h = self.activation_dtype_bytes, self.hidden_size
         padded = dtype * self.head_dim * sp_size * -(-self.num_heads // sp_size)
@@ -190,9 +199,12 @@ class ModelProfile:
         What the ring does not price: ``dcp::attention_block`` builds its block's scores and
         probabilities, ``[heads/u, S/r, S/r]`` fp32, forward and backward: a quadratic buffer
         that no per-token price holds (see ``benchmarks/results/memory_peaks_cpu.md``).
+
+        ``block`` keeps none of this: its backward receives the all-to-alls' and the ring's
+        blocks again.
         """
         recompute = RecomputePolicy.parse(recompute)
-        if sp_size <= 1:
+        if sp_size <= 1 or recompute is RecomputePolicy.BLOCK:
             return 0.0
         dtype, h = self.activation_dtype_bytes, self.hidden_size
         kv_width = self.head_dim * self.num_kv_heads
@@ -242,13 +254,15 @@ class ModelProfile:
           rebuild them before the first are freed), with the KV heads as wide as the all-to-alls
           deliver them (replicated up to the SP size); a ring also passes a K/V gradient block
           back (received and sent);
-        * the head: under ``selective`` and ``full`` what it rebuilds (under ``full`` with the last
-          block: the compiler recomputes the two from the last block's input) and the loss's
-          gradients (``output_bytes_per_token``);
+        * the head: under ``selective``, ``full`` and ``block`` what it rebuilds (under ``full`` and
+          ``block`` with the last block: the compiler recomputes the two from the last block's
+          input) and the loss's gradients (``output_bytes_per_token``);
 
-        plus the residual stream's gradient, alive through every layer's backward.
+        plus the residual stream's gradient, alive through every layer's backward. ``block``
+        rebuilds what ``full`` does and the all-to-alls' outputs that ``full`` keeps (each block
+        whole, before its MLP's backward); ``collectives_recomputed`` prices ``full`` as ``block``.
         """
-        recompute = RecomputePolicy.parse(recompute)
+        recompute = self.priced_policy(recompute, collectives_recomputed)
         dtype, h = self.activation_dtype_bytes, self.hidden_size
         head_dim, kv_heads = self.head_dim, max(1, self.num_kv_heads)
         kv_width = head_dim * kv_heads
@@ -261,9 +275,10 @@ class ModelProfile:
         mlp_gradients = dtype * ((3 if self.gated_mlp else 2) * ffn + h)
 
         attention_rebuilt, mlp_rebuilt = self.recomputed_bytes_per_token[recompute]
-        whole_block = recompute == RecomputePolicy.FULL
+        resent = recompute is RecomputePolicy.BLOCK
+        whole_block = recompute in (RecomputePolicy.FULL, RecomputePolicy.BLOCK)
         if sp_size > 1 and recompute != RecomputePolicy.NONE:
-            if collectives_recomputed and whole_block:
+            if resent:
                 # Whole-block checkpointing re-sends the all-to-alls: their outputs are rebuilt too.
                 attention_rebuilt += self.attention_kept_bytes_per_token(RecomputePolicy.FULL, sp_size)
             elif layout.ring > 1 and recompute == RecomputePolicy.ATTENTION:
@@ -283,19 +298,27 @@ class ModelProfile:
         # residual path is rebuilt then and the attention cores (output, logsumexp) wait for the
         # attention's backward.
         block_rebuilt = attention_rebuilt
-        if whole_block and sp_size > 1 and not collectives_recomputed:
+        if whole_block and sp_size > 1 and not resent:
             attentions = 1 + self.num_cross_attention_layers / max(1, self.num_layers)
             block_rebuilt = max(0.0, attention_rebuilt - attentions * (dtype * h + self.num_heads * FP32_BYTES))
         attention_phase = attention_rebuilt + attention_gradients
         mlp_phase = mlp_rebuilt + mlp_gradients + (block_rebuilt if whole_block else 0.0)
         head_rebuilt = 0.0
-        if recompute in (RecomputePolicy.SELECTIVE, RecomputePolicy.FULL):
+        if recompute in (RecomputePolicy.SELECTIVE, RecomputePolicy.FULL, RecomputePolicy.BLOCK):
             head_rebuilt = self.head_activation_bytes_per_token[RecomputePolicy.NONE]
         if whole_block:
             head_rebuilt += block_rebuilt + mlp_rebuilt
         head_phase = head_rebuilt + self.output_bytes_per_token
         residual_gradient = dtype * h
         return float(residual_gradient + max(attention_phase, mlp_phase, head_phase))
+
+    @staticmethod
+    def priced_policy(recompute: RecomputePolicy | str, collectives_recomputed: bool = False) -> RecomputePolicy:
+        """The policy whose memory is priced: ``block`` where ``collectives_recomputed`` makes
+        ``full`` the published whole-block checkpointing, else ``recompute`` itself."""
+        if resends_collectives(recompute, collectives_recomputed):
+            return RecomputePolicy.BLOCK
+        return RecomputePolicy.parse(recompute)
 
     def saved_activation_bytes(
         self, tokens: int, recompute: RecomputePolicy | str, sp_size: int = 1, collectives_recomputed: bool = False,

@@ -21,13 +21,15 @@ vocabulary in :class:`dcp_compile.variant.RecomputePolicy`):
   output is not a saved boundary and backward recomputes the last block and the head from the
   last block's input (the head's matmul is in the ``full`` recompute fraction already). What the
   ops outside the blocks hand to every block is kept as a block input too: a RoPE table built
-  once in the model (``rotary=True``: cos and sin, ``head_dim`` each per token).
+  once in the model (``rotary=True``: cos and sin, ``head_dim`` each per token);
+* ``block``: ``full``'s set at SP 1 (the block input, the shared RoPE table); at SP > 1 it keeps
+  no all-to-all output either, as its backward sends them again.
 
 ``adaptive_norm`` (adaLN-Zero / adaLN-single DiTs: PixArt, STDiT3, Wan) adds, under ``none`` and
 ``attention``, what the modulation and the gates keep: each modulated norm's output (the scale's
 gradient needs it) and each gated branch's output before its gate (the gate's gradient needs it).
 
-Under sequence parallelism the all-to-all outputs are kept whatever the policy (see
+Under sequence parallelism the all-to-all outputs are kept under every policy but ``block`` (see
 :meth:`ModelProfile.saved_activation_bytes_per_token`). What lies outside the blocks (final norm,
 output head, loss, a shared RoPE table) is priced per policy in ``head_activation_bytes_per_token``.
 
@@ -113,6 +115,7 @@ def transformer_fields(
         "attention": (qkv_linear_share, 1.0, qkv_memory_share),
         "selective": (qkv_linear_share, 1.0, 1.0),
         "full": (1.0, 1.0, 1.0),
+        "block": (1.0, 1.0, 1.0),  # the same forward again; what differs is communication (analytic.py)
     }
     return dict(
         name=name,
@@ -188,6 +191,9 @@ def layer_activation_bytes(
                                                + norm_stats * FP32_BYTES),
         RecomputePolicy.SELECTIVE.value: float(matmul_outputs * dtype_bytes),
         RecomputePolicy.FULL.value: float(h * dtype_bytes),
+        # The block input, as under `full` (what `full` keeps beyond it at SP > 1, the all-to-alls'
+        # outputs, `block` does not: ModelProfile.attention_kept_bytes_per_token).
+        RecomputePolicy.BLOCK.value: float(h * dtype_bytes),
     }
 
 
@@ -235,6 +241,7 @@ def layer_recomputed_bytes(
         RecomputePolicy.ATTENTION.value: (float(attention_rebuilt), 0.0),
         RecomputePolicy.SELECTIVE.value: (float(attention_none - branch_output), float(mlp_none - mlp_matmuls_in_none)),
         RecomputePolicy.FULL.value: (float(attention_none - h * d), float(mlp_none)),
+        RecomputePolicy.BLOCK.value: (float(attention_none - h * d), float(mlp_none)),
     }
 
 
@@ -255,7 +262,8 @@ def head_activation_bytes(
     """
     rotary_table = float(2 * rotary_dim * dtype_bytes)
     if not vocab_size and not output_channels:
-        return {policy.value: rotary_table if policy == RecomputePolicy.FULL else 0.0 for policy in RecomputePolicy}
+        return {policy.value: rotary_table if policy in (RecomputePolicy.FULL, RecomputePolicy.BLOCK) else 0.0
+                for policy in RecomputePolicy}
     h = hidden_size
     if vocab_size:
         loss_kept = vocab_size * FP32_BYTES + TARGET_BYTES
@@ -269,6 +277,7 @@ def head_activation_bytes(
         RecomputePolicy.ATTENTION.value: float(kept),
         RecomputePolicy.SELECTIVE.value: float(matmul_output),
         RecomputePolicy.FULL.value: rotary_table,
+        RecomputePolicy.BLOCK.value: rotary_table,
     }
 
 

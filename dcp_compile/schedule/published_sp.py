@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from dcp_compile.variant import RecomputePolicy
+from dcp_compile.variant import RecomputePolicy, resends_collectives
 
 from .analytic import COST_TERMS, context_seconds_per_sequence
 from .cost_model import CostModel
@@ -208,13 +208,13 @@ def published_terms(
 
 def switch_seconds(cost_model: CostModel, share: RankShare, sp_size: int, recompute: RecomputePolicy) -> float:
     """Unscaled seconds of the switches' all-to-alls: two per spatial block (into and out of the
-    attention), forward and backward; a whole-block-checkpointed block (``collectives_recomputed``
-    under ``full``: the published ``auto_recompute`` wraps each block in
+    attention), forward and backward; a whole-block-checkpointed block (``block``, or
+    ``collectives_recomputed`` under ``full``: the published ``auto_recompute`` wraps each block in
     ``torch.utils.checkpoint``) sends its forward two again."""
     if sp_size <= 1 or not share.switch_elements:
         return 0.0
     hardware = cost_model.hardware
-    passes = 3 if cost_model.collectives_recomputed and recompute == RecomputePolicy.FULL else 2
+    passes = 3 if resends_collectives(recompute, cost_model.collectives_recomputed) else 2
     calls = 2 * passes * STDiT3Layout.from_profile(cost_model.profile).spatial_blocks
     bytes_per_call = share.switch_elements * cost_model.profile.hidden_size * cost_model.profile.activation_dtype_bytes
     return calls * (hardware.all_to_all_latency(sp_size) + bytes_per_call * hardware.all_to_all_seconds_per_byte(sp_size))

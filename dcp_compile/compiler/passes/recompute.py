@@ -13,11 +13,24 @@ backward recomputes what the policy says and keeps the rest:
   functions, elementwise ops, views): only matmul outputs are kept, the classic selective
   activation checkpointing, and what the cost model prices under the same name;
 * ``full``: every block (``layers.3``, by module path) is recomputed from its input, which is
-  kept; ops outside the blocks are recomputed from the graph inputs.
+  kept; ops outside the blocks are recomputed from the graph inputs;
+* ``block``: ``full``, and the collectives inside each block (its all-to-alls) are recomputed
+  too, in the block's region (``MUST_RECOMPUTE``): a block keeps only its input, as
+  ``torch.utils.checkpoint`` around the block does, and the compiled backward re-sends the
+  block's forward all-to-alls before its own.
 
-Under every policy collective outputs are saved (``MUST_SAVE``): recomputing them would re-send
-the all-to-alls in backward. Random ops (dropout) are saved too, so a recomputation never draws
-a different mask.
+Under every other policy collective outputs are saved (``MUST_SAVE``): recomputing them re-sends
+the all-to-alls in backward; under ``block`` those outside the blocks (output gathers, a loss's
+all-reduce) stay saved. Random ops (dropout) are saved under every policy, so a recomputation
+never draws a different mask.
+
+Why the ranks of a group cannot disagree under ``block``: their graphs have the same ops in the
+same order and differ only in their chunks' sizes, and the min-cut partitioner reads sizes only
+to decide about nodes it is free to save or recompute. A collective tagged ``MUST_RECOMPUTE`` is
+never saved: it is recomputed exactly when backward needs its value, which the graph's structure
+decides, not its sizes (one tagged ``MUST_SAVE`` is never recomputed). Backward keeps every
+collective it was given (its dead-code elimination treats them as impure) and orders them by the
+same structure on every rank.
 """
 
 from __future__ import annotations
@@ -104,26 +117,51 @@ def _tag(node: fx.Node, policy: CheckpointPolicy, region: int = 0) -> None:
     node.meta["dcp_recompute_tag"] = True
 
 
+def block_regions(gm: fx.GraphModule) -> dict[str, int]:
+    """Each repeated block's recompute region (1, 2, ... in graph order; 0 is outside the blocks).
+
+    Numbered in the order the blocks' first ops appear, so a later block has a larger
+    ``ac_graph_id``: the partitioner saves what crosses from a region into a later one."""
+    blocks: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            block = block_of(node)
+            if block is not None:
+                blocks.setdefault(block, len(blocks) + 1)
+    return blocks
+
+
 def recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     policy = ctx.recompute
     tagged = 0
-    blocks: dict[str, int] = {}
+    blocks = block_regions(gm) if policy in ("full", "block") else {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and (is_collective(node) or is_random(node)):
+        if node.op != "call_function":
+            continue
+        if policy == "block" and is_collective(node) and block_of(node) is not None:
+            # Whole-block checkpointing: the block's collectives (its all-to-alls) run again in
+            # backward instead of keeping their outputs. MUST, not PREFER: the min-cut partitioner
+            # then has no choice to make about them (it recomputes every MUST_RECOMPUTE node whose
+            # value backward needs, whatever its size), so every rank of the group, whose graphs
+            # differ only in their chunks' sizes, re-issues the same collectives in the same order.
+            _tag(node, CheckpointPolicy.MUST_RECOMPUTE, blocks[block_of(node)])
+            tagged += 1
+        elif is_collective(node) or is_random(node):
             # Under every policy: the min-cut partitioner would otherwise be free to recompute a
             # cheap-looking collective in backward, and ranks whose graphs differ (every rank's
-            # does) could then disagree on the collectives they issue, and hang.
+            # does) could then disagree on the collectives they issue, and hang. Under `block`
+            # the collectives outside the blocks (output gathers, a loss's all-reduce) and random
+            # ops everywhere (a recomputed dropout must not draw a new mask) stay saved too.
             _tag(node, CheckpointPolicy.MUST_SAVE)
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.meta.get("dcp_recompute_tag"):
             continue  # already ours: collectives and random ops, or a region tagged above
-        if policy == "full":
+        if policy in ("full", "block"):
             # One region per block: the partitioner saves what crosses a region boundary (each
             # block's input) and recomputes each block from it in backward, as block
             # checkpointing does; what lies outside the blocks forms one region of its own.
             block = block_of(node)
-            region = blocks.setdefault(block, len(blocks) + 1) if block is not None else 0
-            _tag(node, CheckpointPolicy.PREFER_RECOMPUTE, region)
+            _tag(node, CheckpointPolicy.PREFER_RECOMPUTE, blocks[block] if block is not None else 0)
             tagged += 1
         elif policy == "selective" and node.target not in PROJECTIONS and not is_attention(node):
             _tag(node, CheckpointPolicy.MUST_RECOMPUTE)
@@ -137,4 +175,3 @@ def recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                     tagged += 1
     log.debug("dcp: recompute=%s tagged %d node(s) for recomputation", policy, tagged)
     return gm
-

@@ -15,8 +15,12 @@ custom ops are extern kernels under Inductor).
 Recomputation is applied around the compiled regions at run time, with
 ``torch.utils.checkpoint``, so that it does not make new graphs either: ``attention`` recomputes
 each attention op from its saved inputs, ``full`` recomputes every region from its inputs;
-communication is never recomputed (its outputs are saved, as under every whole-graph policy).
-``selective`` keeps the whole-graph compile: it picks ops inside regions.
+communication is never recomputed (its outputs are saved, as under every whole-graph policy
+but ``block``). ``selective`` and ``block`` keep the whole-graph compile: ``selective`` picks ops
+inside regions, and ``block`` recomputes a whole block, its all-to-alls included, from the
+block's input, while a block spans several regions cut apart at exactly those all-to-alls
+(checkpointing each region on its own would keep every region's inputs, the all-to-alls'
+outputs among them, which is what ``block`` exists not to keep).
 
 A region compiled with fresh symbols is only valid where the guards its compile added hold (a
 size that must be at least 2, a stride): they are evaluated on every call, as dynamo's are, and a
@@ -44,8 +48,20 @@ from dcp_compile.variant import RecomputePolicy
 
 log = logging.getLogger(__name__)
 
-# Recompute policies that regions apply at run time; ``selective`` compiles the variant whole.
+# Recompute policies that regions apply at run time; the others compile the variant whole, for
+# the reason given (the variant record's ``regions`` says it).
 REGIONAL_POLICIES = (RecomputePolicy.NONE, RecomputePolicy.ATTENTION, RecomputePolicy.FULL)
+WHOLE_GRAPH_REASONS = {
+    RecomputePolicy.SELECTIVE: "picks ops inside regions",
+    RecomputePolicy.BLOCK: ("recomputes whole blocks, their all-to-alls included, and a block spans several "
+                            "regions cut at those all-to-alls: run-time checkpointing around each region would "
+                            "keep the all-to-alls' outputs"),
+}
+
+
+def whole_graph_reason(recompute: RecomputePolicy) -> str:
+    """Why a variant under ``recompute`` is compiled whole under ``options={"regions": True}``."""
+    return f"recompute={recompute} {WHOLE_GRAPH_REASONS.get(recompute, 'is not applied around regions')}"
 
 MAX_COMPILES_PER_REGION = 8  # as dynamo's recompile limit: past it, a region runs uncompiled
 
@@ -98,7 +114,7 @@ def regional_module(gm: fx.GraphModule, inner: str, recompute: RecomputePolicy,
     """The variant's graph as a parent of ``Region`` modules (compiled lazily, at their first call);
     a region that cannot be compiled says why in ``uncompiled`` (the variant record's list)."""
     if recompute not in REGIONAL_POLICIES:
-        raise UnsupportedRegion(f"recompute={recompute} picks ops inside regions")
+        raise UnsupportedRegion(whole_graph_reason(recompute))
     started = time.perf_counter()
     plan = split_into_regions(gm)
     for name, kind in plan.kinds.items():
@@ -112,6 +128,7 @@ def regional_module(gm: fx.GraphModule, inner: str, recompute: RecomputePolicy,
     return plan.parent, plan
 
 
-__all__ = ["INNER_REGION_COMPILERS", "MAX_COMPILES_PER_REGION", "REGIONAL_POLICIES", "REGION_CACHE", "GuardedCompile",
-           "Region", "RegionKind", "RegionPlan", "UnsupportedRegion", "canonical_code", "canonical_views",
-           "compile_region", "describe_regions", "fresh_inputs", "regional_module", "split_into_regions"]
+__all__ = ["INNER_REGION_COMPILERS", "MAX_COMPILES_PER_REGION", "REGIONAL_POLICIES", "REGION_CACHE",
+           "WHOLE_GRAPH_REASONS", "GuardedCompile", "Region", "RegionKind", "RegionPlan", "UnsupportedRegion",
+           "canonical_code", "canonical_views", "compile_region", "describe_regions", "fresh_inputs",
+           "regional_module", "split_into_regions", "whole_graph_reason"]
