@@ -50,8 +50,9 @@ def run_configuration(setup: dict[str, Any], fraction: float, world: int, name: 
     cost_model = cost_model_for(model, setup["hardware"], world)
     budget = Budget(cost_model, world, fraction)
     planner = Planner(cost_model, world, fraction)
-    if dist.video:  # a clip longer than the world holds is not trained by this setup (workloads.json)
-        context = max(planner.max_capacity)
+    if dist.video:  # a clip longer than the world holds is not trained by this setup (workloads.json),
+        # under the smallest cap compared, so that every cap trains the same clips
+        context = max(Planner(cost_model, world, min(setup["memory_fractions"])).max_capacity)
         per_rank = setup["video_tokens_per_rank"]
     else:
         context = setup["context_window"][str(world)]
@@ -115,7 +116,7 @@ def report(rows: list[dict[str, Any]], setup: dict[str, Any], elapsed: float) ->
         f"Workloads (`benchmarks/workloads.json`, fixed before this run): {setup['steps']} steps per seed, seeds "
         f"{spec['seeds']}; text {setup['tokens_per_rank']:,} tokens per rank per step, context window "
         f"{setup['context_window']} by world; video {setup['video_tokens_per_rank']:,} tokens per rank per step, "
-        "clips longer than the world holds not trained.", "",
+        "clips longer than the world holds under the smallest cap not trained (the same clips under every cap).", "",
         "- " + "\n- ".join(f"`{n}`: {d['source']}" for n, d in spec["distributions"].items()), "",
         "Families: `static-sp`, `bucket-parallel`, `dcp-inter`: the published system (VideoSys), whole-block "
         "checkpointing; `static-sp+recompute`: static SP at its best size, best-fit packing, longest-first "
