@@ -343,19 +343,23 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any], progress: Progress)
     return "\n".join(lines) + "\n"
 
 
-def merge(paths: Sequence[str], out: Path) -> int:
-    """One page from results files of the same setup written by several processes (each block's
-    micro-batches were timed within its own process; the link model is each process's own)."""
+def merge(paths: Sequence[str], out: Path, tag: str) -> int:
+    """One page from results files of one setup written by several processes. Each block's
+    micro-batches were timed within one process; each process measured its own CPU speed for the
+    link model, so the page lists each process's links."""
     parts = [json.loads(Path(path).read_text()) for path in paths]
-    meta = dict(parts[0])
-    rows = [row for part in parts for row in part.pop("rows")]
-    meta["setup"] = dict(meta["setup"], worlds=sorted({r["world"] for r in rows}),
-                         distributions=sorted({r["distribution"] for r in rows}))
+    rows = [row for part in parts for row in part["rows"]]
+    meta = {key: value for key, value in parts[0].items() if key != "rows"}
+    setup = meta["setup"]
+    blocks = {(r["world"], r["distribution"], r["seed"]) for r in rows}
+    wanted = {(w, d, s) for w in setup["worlds"] for d in setup["distributions"] for s in setup["seeds"]}
+    missing = sorted(wanted - blocks)
+    meta["status"] = (f"{'complete' if not missing else 'partial'}: {len(blocks & wanted)} of {len(wanted)} (world, "
+                      f"distribution, seed) blocks, replayed by {len(parts)} processes (each block within one)"
+                      + (f"; missing {missing}" if missing else ""))
     meta["micro_batches"] = sum(part["micro_batches"] for part in parts)
     meta["elapsed"] = sum(part["elapsed"] for part in parts)
-    meta["status"] = "; ".join(f"{Path(path).name}: {part['status']}" for path, part in zip(paths, parts))
-    meta["links"] = " / ".join(dict.fromkeys(part["links"] for part in parts))
-    tag = Path(paths[0]).stem.removeprefix("replay_")
+    meta["links"] = "; ".join(f"process {i + 1}: {part['links']}" for i, part in enumerate(parts))
     write_atomic(out / f"replay_{tag}.md", report(rows, meta, Progress(0)))
     write_atomic(out / f"replay_{tag}.json", json.dumps({**meta, "rows": rows}, indent=1, default=str))
     print((out / f"replay_{tag}.md").read_text())
@@ -381,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(1)
     setup = setup_for(device, args.tiny)
     if args.merge:
-        return merge(args.merge, Path(args.out_dir))
+        tag = ("cuda_" + device_name(device).lower().replace(" ", "-")) if device.type == "cuda" else "cpu"
+        return merge(args.merge, Path(args.out_dir), tag + ("_tiny" if args.tiny else ""))
     for name, chosen in (("worlds", args.worlds), ("distributions", args.distributions), ("seeds", args.seeds)):
         if chosen:
             unknown = set(chosen) - set(setup[name])
