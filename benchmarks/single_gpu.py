@@ -294,7 +294,7 @@ def bucket_table(cost_model, lengths: Sequence[int]) -> tuple[dict[int, BucketRo
     table = {}
     for key in sorted(set(keys)):
         best = None
-        for policy in ("none", "attention", "selective", "full"):  # every policy the cost model prices
+        for policy in ("none", "attention", "selective", "full"):  # every policy the cost model prices at SP 1 (block is full there)
             try:
                 # max_length = the bucket's own: without recompute the longest sample may not fit.
                 scheduler = BucketParallelScheduler(cost_model, 1, key, sp_size=1, recompute=policy,

@@ -101,8 +101,8 @@ def plan_svg(plan: "StepPlan") -> str:
         legend_x += 64
     parts.append(f"<rect x='{legend_x}' y='{bottom + 12}' width='14' height='12' fill='url(#recompute-hatch)' "
                  f"stroke='#999'/><text x='{legend_x + 18}' y='{bottom + 22}' font-size='11'>recompute "
-                 f"(A attention, S selective, F full)</text>")
-    legend_x += 300
+                 f"(A attention, S selective, F full, B block)</text>")
+    legend_x += 340
     parts.append(f"<rect x='{legend_x}' y='{bottom + 12}' width='14' height='12' fill='#d0d0d0'/>"
                  f"<text x='{legend_x + 18}' y='{bottom + 22}' font-size='11'>idle</text>")
     parts.append("</svg>")

@@ -24,10 +24,13 @@ trades memory for time: ``none`` keeps every activation; ``attention`` recompute
 and what makes its queries, keys and values back to (and including) their projections;
 ``selective`` also recomputes every op that is not a matrix product, keeping only matmul outputs;
 ``full`` keeps only each block's input (and what every block reads from outside, such as a RoPE
-table) and recomputes the whole forward, the head included, in backward. Collective
-outputs are never recomputed (re-sending an all-to-all costs more than storing its result), so
-under sequence parallelism every policy keeps them. The bytes each policy keeps are priced in
-:mod:`.presets` and checked against the compiled variants by ``tests/test_recompute_pricing.py``.
+table) and recomputes the whole forward, the head included, in backward; under sequence
+parallelism it keeps the all-to-alls' outputs too (re-sending an all-to-all costs more than
+storing its result), as every policy does but ``block``, which re-sends them in backward and
+keeps only the block inputs (whole-block checkpointing, as ``torch.utils.checkpoint`` and the
+published systems do it: ``collectives_recomputed`` prices ``full`` so). The bytes each policy
+keeps are priced in :mod:`.presets` and checked against the compiled variants by
+``tests/test_recompute_pricing.py``.
 
 Where the parts live: the formulas in :mod:`.analytic`; profiles in :mod:`.model_profile`
 (shapes and presets in :mod:`.presets`, measurement in :mod:`.profiling`); fitting the five
@@ -80,7 +83,8 @@ class CostModel:
     ``reserved_bytes`` is what the runtime keeps for itself (CUDA context, NCCL and cuBLAS workspaces).
     ``collectives_recomputed``: ``full`` means whole-block checkpointing, which re-sends the
     blocks' all-to-alls in backward and keeps only block inputs (the published system; the
-    baselines plan with it), instead of our compiler's ``full``, which keeps the all-to-all outputs.
+    baselines plan with it), instead of our compiler's ``full``, which keeps the all-to-all
+    outputs: ``full`` is then priced as ``block``, the policy our compiler builds for it.
     Instances are immutable: every rank must plan with the same model, and a model that could change
     under a sampler would break that. :meth:`calibrate` returns a new one.
 
