@@ -103,6 +103,45 @@ def test_inductor_on_four_ranks():
     run_block_parity(4, ["gpt", "hf_llama"], [16, 7], inner="inductor", rtol=1e-4, atol=1e-5, timeout=2400)
 
 
+def _ring_block_worker(rank: int, world_size: int, names: list[str], lengths: list[int]) -> dict:
+    import ring_models
+
+    variant = dcp.Variant(world_size, "block")
+    problems, sequences = [], {}
+    for name in names:
+        torch._dynamo.reset()
+        model = ring_models.build(name)
+        compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "aot_eager"})
+        for length in lengths:
+            eager = ring_models.build(name)
+            expected, expected_grads = ring_models._run(eager, eager, ring_models.make_input(length), reduce=False)
+            with dcp.use(variant):
+                out, grads = ring_models._run(model, compiled, ring_models.make_input(length), reduce=True)
+                records = dcp.explain(compiled, ring_models.make_input(length))
+            if not torch.allclose(out, expected, rtol=1e-5, atol=1e-5):
+                problems.append(f"{name}@{length}: output differs")
+            problems += [f"{name}@{length}: grad {k} differs" for k, want in expected_grads.items()
+                         if not torch.allclose(grads[k], want, rtol=1e-5, atol=1e-5)]
+            (record,) = [r for r in records.variant_records() if r.variant == variant]
+            if not all("ring" in layout for _, layout, _ in record.attention_layouts):
+                problems.append(f"{name}@{length}: not a ring layout: {record.attention_layouts}")
+        sequences[name] = backward_collectives(record.backward_graph)
+    if problems:
+        raise AssertionError(f"rank {rank}: " + "\n".join(problems))
+    return sequences
+
+
+@pytest.mark.slow
+def test_ring_and_hybrid_layouts_at_parity_on_four_ranks():
+    """Two heads at SP 4: the ring (x4, GQA 2q/1kv) and ring x2 over Ulysses x2; under ``block`` the
+    backward receives the ring's K/V blocks again instead of keeping them (priced in
+    ``tests/test_memory_model.py``)."""
+    names = ["causal_2h", "gqa_2q1kv_causal"]
+    results = run_in_process_world(_ring_block_worker, 4, names, [16, 7], timeout=2400)
+    for name in names:
+        assert all(result[name] == results[0][name] for result in results), [r[name] for r in results]
+
+
 # --- structure, on one process with a fake process group ---------------------------------------
 
 @pytest.fixture(scope="module")
