@@ -258,3 +258,17 @@ def test_block_capacity_grows_linearly_with_the_sp_size() -> None:
         block, full = model.token_capacity(sp, "block", cap), model.token_capacity(sp, "full", cap)
         assert block >= 0.98 * sp * at_sp1, (sp, block, at_sp1)
         assert full < 0.8 * sp * at_sp1, (sp, full, at_sp1)
+
+
+def test_a_cost_model_saved_before_block_existed_loads_and_prices_it() -> None:
+    """Profiles written with four policies (before ``block``) load with ``full``'s per-layer
+    entries for ``block``, which is what ``block`` keeps and recomputes at SP 1."""
+    model = CostModel(ModelProfile.from_config("llama-3-8b"), Hardware.H100, optimizer_shards=8)
+    data = model.to_dict()
+    for key in ("activation_bytes_per_token", "recompute_forward_fraction", "head_activation_bytes_per_token",
+                "recomputed_bytes_per_token"):
+        del data["profile"][key]["block"]
+    loaded = CostModel.from_dict(data)
+    for sp in (1, 8):
+        assert loaded.memory_coefficients(sp, "block") == model.memory_coefficients(sp, "block")
+        assert loaded.time([8192], sp, "block") == model.time([8192], sp, "block")
