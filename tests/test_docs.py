@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dcp_compile.testing.process_world import free_port, run_in_process_world
-from dcp_compile.testing.tiny_models import tiny_llama as testing_tiny_llama
+from dcp_compile.testing.tiny_models import tiny_llama as shared_tiny_llama
 from doc_blocks import NOT_RUN, REPO, RUN_LANGUAGES, all_blocks, doc_block, run_python_block
 
 VOCAB = 64
@@ -92,7 +92,7 @@ def test_the_guide_builds_with_warnings_as_errors(tmp_path: Path) -> None:
 
 
 def tiny_llama() -> torch.nn.Module:
-    return testing_tiny_llama(VOCAB)
+    return shared_tiny_llama(VOCAB)
 
 
 def token_dataset() -> list[torch.Tensor]:

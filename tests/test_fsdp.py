@@ -21,7 +21,7 @@ from dcp_compile.schedule.cost_model import CostModel, ModelProfile
 from dcp_compile.schedule.hardware import Hardware
 from dcp_compile.testing.padded_batches import pad_right
 from dcp_compile.testing.process_world import run_in_process_world
-from dcp_compile.testing.tiny_models import tiny_llama as testing_tiny_llama
+from dcp_compile.testing.tiny_models import tiny_llama as shared_tiny_llama
 from doc_blocks import doc_block, run_python_block
 
 WORLD_SIZE = 4
@@ -172,7 +172,7 @@ def guide_block() -> str:
 
 
 def guide_llama() -> torch.nn.Module:
-    return testing_tiny_llama(VOCAB)
+    return shared_tiny_llama(VOCAB)
 
 
 def guide_dataset() -> list[torch.Tensor]:

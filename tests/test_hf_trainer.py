@@ -25,7 +25,7 @@ from dcp_compile.schedule.hardware import Hardware
 from dcp_compile.testing.padded_batches import pad_right
 from dcp_compile.testing.process_world import run_in_process_world
 from dcp_compile.testing.sharding_checks import sharding_problems
-from dcp_compile.testing.tiny_models import tiny_llama as testing_tiny_llama
+from dcp_compile.testing.tiny_models import tiny_llama as shared_tiny_llama
 
 VOCAB = 64
 LENGTHS = (12, 40, 20, 48, 16, 36, 9, 27, 30, 14)
@@ -36,7 +36,7 @@ SEED = 0
 
 
 def tiny_llama() -> torch.nn.Module:
-    return testing_tiny_llama(VOCAB)
+    return shared_tiny_llama(VOCAB)
 
 
 def dataset() -> list[dict[str, torch.Tensor]]:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dcp_compile.testing.process_world import run_in_process_world
-from dcp_compile.testing.tiny_models import tiny_llama as testing_tiny_llama
+from dcp_compile.testing.tiny_models import tiny_llama as shared_tiny_llama
 from doc_blocks import doc_block, run_python_block
 
 VOCAB = 64
@@ -39,7 +39,7 @@ def guide_block() -> str:
 
 
 def tiny_llama() -> torch.nn.Module:
-    return testing_tiny_llama(VOCAB)
+    return shared_tiny_llama(VOCAB)
 
 
 def dataset() -> list[torch.Tensor]:
