@@ -49,7 +49,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-POLICIES = ("none", "attention", "selective", "full")
+POLICIES = ("none", "attention", "selective", "full", "block")
 SP_SIZES = (1, 2, 4)
 MMAP_THRESHOLD = "65536"
 MiB = 2**20
@@ -235,6 +235,15 @@ NOTES = [
      "A quadratic buffer no per-token price can hold: "
      "the kernel, not the model, has to change (a per-block flash kernel that returns the log-sum-exp). "
      "The K/V blocks the ring keeps are priced (tests/test_memory_model.py compares with the compiled graphs)."),
+    ("`block` rows (`memory_peaks_block_cpu.md`, beside `full` at the same points): `block` measures 7-11% under "
+     "`full` (it keeps no all-to-all output) and the model prices it 14-17% over what it measures, where `full` "
+     "is 3-8% over. The model prices `block` as `CostModel(collectives_recomputed=True)` prices the published "
+     "whole-block checkpointing: a block's backward rebuilds `full`'s set plus the all-to-alls' outputs "
+     "(`attention_kept_bytes_per_token(full)`: q, k, v delivered and the output returned), but the rebuilt block "
+     "holds one copy of q, k, v and of the output, as they arrive, in place of the local ones, so the extra is "
+     "`attention_kept_bytes_per_token(none)` (the KV heads' replication only): 2 KiB per token of a rank's share "
+     "here (8 MiB at SP 2, 4 MiB at SP 4), about 1% of Llama-3-8B's at SP 8 and 32. Priced high, not low: a plan "
+     "it admits fits."),
 ]
 
 
