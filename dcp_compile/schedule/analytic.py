@@ -12,6 +12,11 @@ weights). Peak memory is ``static + bytes_per_token * sum(lengths)`` (flash/varl
 keeps no quadratic buffer; the ring's block attention builds one, which is not priced). The
 terms here are peak-rate seconds, before the scale factors
 (inverse efficiencies) that :class:`~.cost_model.CostModel` applies and calibration fits.
+
+Model state (:class:`StateSharding`): where parameters, gradients and optimizer state live decides
+``static`` and, when they are sharded during the step (ZeRO-3), adds to every micro-batch's
+``fixed`` time the world's parameter all-gathers and gradient reduce-scatters of one round
+(:func:`state_round_seconds`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,121 @@ DEFAULT_SCALES: dict[str, float] = {
 FLASH_BACKWARD_FLOP_RATIO = 2.5  # flash-attention backward does 5 matmuls to the forward's 2
 BACKWARD_FLOP_RATIO = 2.0  # weight and input gradients of every matmul
 GiB = 1024**3
+
+
+class StateSharding(str, Enum):
+    """Where the model state lives during a step (what ``CostModel.state_sharding`` selects).
+
+    * ``replicated``: every rank holds the whole parameters and gradients for the step, the
+      optimizer state divided by ``optimizer_shards`` (ZeRO-1). This is ``dcp.shard_model``'s
+      default mode (FSDP2 gathered once per step, one reduce-scatter at the sync: ZeRO-3 storage
+      between steps, ZeRO-2-like peak) as well as DDP's and plain replicated training's.
+    * ``sharded``: ZeRO-3, ``dcp.shard_model(model, reshard_after_forward=True)``: parameters,
+      gradients and optimizer state divided over the ``optimizer_shards`` ranks (the world), plus
+      what FSDP2 holds unsharded while a micro-batch runs (:func:`unsharded_state_bytes`). Every
+      micro-batch, and every idle round, all-gathers the parameters over the world (forward and
+      backward) and reduce-scatters the gradients: priced per micro-batch, and the plan runs in
+      rounds so that every rank issues those collectives equally often.
+    * ``sharded_offload``: ``sharded`` with FSDP2's ``CPUOffloadPolicy``: the sharded parameters,
+      gradients and optimizer state stay in host memory and the optimizer steps on the host
+      (:meth:`~.cost_model.CostModel.optimizer_step_seconds`); the device holds only what is
+      unsharded while a micro-batch runs, and each round also copies the shards over the host link.
+    """
+
+    REPLICATED = "replicated"
+    SHARDED = "sharded"
+    SHARDED_OFFLOAD = "sharded_offload"
+
+    @classmethod
+    def parse(cls, value: "StateSharding | str") -> "StateSharding":
+        if isinstance(value, cls):
+            return value
+        key = str(value).lower().replace("-", "_").replace("+", "_").replace(" ", "_")
+        key = {"zero3": "sharded", "zero_3": "sharded", "zero3_offload": "sharded_offload",
+               "zero_3_offload": "sharded_offload", "zero1": "replicated", "zero_1": "replicated"}.get(key, key)
+        try:
+            return cls(key)
+        except ValueError:
+            raise ValueError(f"unknown state_sharding {value!r}; use one of {[m.value for m in cls]}") from None
+
+    @property
+    def rounds(self) -> bool:
+        """Does a plan under this state run in rounds (world collectives per micro-batch)?"""
+        return self is not StateSharding.REPLICATED
+
+
+def block_state_fraction(profile: "ModelProfile") -> float:
+    """The share of the model's parameters that one repeated block holds (what ``dcp.shard_model``
+    shards as one FSDP module), from the profile's shape: attention ``2 h^2 + 2 h kv``, the MLP
+    ``(3 if gated else 2) h ffn``, a cross-attention's ``4 h^2`` (queries, output, and the
+    context's keys and values), in the activation dtype; at most ``1 / num_layers``."""
+    if profile.parameter_bytes <= 0 or profile.num_layers < 1:
+        return 0.0
+    h = profile.hidden_size
+    kv = max(1, profile.num_kv_heads) * profile.head_dim
+    ffn = profile.ffn_hidden_size or 4 * h
+    count = 2 * h * h + 2 * h * kv + (3 if profile.gated_mlp else 2) * h * ffn
+    if profile.num_cross_attention_layers:
+        count += 4 * h * h
+    return min(1.0 / profile.num_layers, count * profile.activation_dtype_bytes / profile.parameter_bytes)
+
+
+def unsharded_state_bytes(profile: "ModelProfile") -> float:
+    """Bytes of parameters and gradients FSDP2 holds unsharded on a rank while a micro-batch runs
+    under ``reshard_after_forward=True``: the root's own parameters (embeddings, head, final norm:
+    FSDP2 does not reshard the root after forward) and their gradients until the root's
+    reduce-scatter at the end of backward, plus two blocks' parameters and gradients (in backward
+    the next block is all-gathered while the current one computes, and a block's gradients wait
+    for their reduce-scatter while the next block's arrive). Priced in the profile's parameter and
+    gradient dtypes."""
+    block = block_state_fraction(profile)
+    root = max(0.0, 1.0 - profile.num_layers * block)
+    return (root + 2 * block) * (profile.parameter_bytes + profile.gradient_bytes)
+
+
+def model_state_bytes(profile: "ModelProfile", state_sharding: StateSharding | str = StateSharding.REPLICATED,
+                      optimizer_shards: int = 1) -> float:
+    """Device bytes of model state per rank during a step under ``state_sharding`` (see
+    :class:`StateSharding`); ``optimizer_shards`` is the number of ranks the state is sharded over."""
+    state_sharding = StateSharding.parse(state_sharding)
+    if state_sharding is StateSharding.REPLICATED:
+        return profile.parameter_bytes + profile.gradient_bytes + profile.optimizer_bytes / optimizer_shards
+    in_flight = unsharded_state_bytes(profile)
+    if state_sharding is StateSharding.SHARDED_OFFLOAD:
+        return in_flight
+    return (profile.parameter_bytes + profile.gradient_bytes + profile.optimizer_bytes) / optimizer_shards + in_flight
+
+
+def host_state_bytes(profile: "ModelProfile", state_sharding: StateSharding | str, optimizer_shards: int = 1) -> float:
+    """Host bytes of model state per rank: the shards ``sharded_offload`` keeps there, else 0."""
+    if StateSharding.parse(state_sharding) is not StateSharding.SHARDED_OFFLOAD:
+        return 0.0
+    return (profile.parameter_bytes + profile.gradient_bytes + profile.optimizer_bytes) / optimizer_shards
+
+
+def state_round_seconds(profile: "ModelProfile", hardware: Hardware, state_sharding: StateSharding | str,
+                        shards: int) -> float:
+    """Unscaled seconds (the ``communication`` scale applies) of one round's model-state traffic on
+    each rank, whatever it runs in the round (a micro-batch or nothing): the parameters
+    all-gathered over the ``shards`` ranks in forward and again in backward (the root's only once:
+    FSDP2 keeps them through backward) and the gradients reduce-scattered, one collective per
+    sharded module each; under ``sharded_offload`` also the shards' copies over the host link
+    (parameter shards in for each all-gather, in the gradient dtype, which is the stored one;
+    gradient shards out). 0 for ``replicated`` (its one reduction per step is outside the plan)."""
+    state_sharding = StateSharding.parse(state_sharding)
+    if not state_sharding.rounds:
+        return 0.0
+    block = block_state_fraction(profile)
+    root = max(0.0, 1.0 - profile.num_layers * block)
+    gathered = 2.0 - root  # share of the parameters all-gathered per round
+    modules = profile.num_layers + 1
+    seconds = (
+        hardware.all_gather_seconds(gathered * profile.parameter_bytes, shards, calls=2 * modules)
+        + hardware.reduce_scatter_seconds(profile.gradient_bytes, shards, calls=modules)
+    )
+    if state_sharding is StateSharding.SHARDED_OFFLOAD:
+        seconds += (gathered + 1.0) * profile.gradient_bytes / shards / hardware.host_link_bandwidth
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -117,13 +237,16 @@ def token_sums(lengths: Sequence[int], spans: Sequence[float] | None,
 
 def raw_term_coefficients(
     profile: "ModelProfile", hardware: Hardware, sp_size: int, recompute: RecomputePolicy | str,
-    collectives_recomputed: bool = False,
+    collectives_recomputed: bool = False, state_sharding: StateSharding | str = StateSharding.REPLICATED,
+    state_shards: int = 1,
 ) -> dict[str, tuple[float, float, float]]:
     """Unscaled seconds of each term as ``(fixed, per_token, per_token_key)`` coefficients.
 
     ``block`` (whole-block checkpointing, the published system's ``full``): backward re-runs each
     block's forward, its 4 all-to-alls included, so a layer sends 12 of them per micro-batch
-    instead of 8. ``collectives_recomputed`` prices ``full`` so too."""
+    instead of 8. ``collectives_recomputed`` prices ``full`` so too. Under a sharded
+    ``state_sharding`` the round's parameter all-gathers and gradient reduce-scatters over the
+    ``state_shards`` ranks (:func:`state_round_seconds`) join the fixed communication time."""
     recompute = RecomputePolicy.parse(recompute)
     if sp_size < 1:
         raise ValueError(f"sp_size must be >= 1, got {sp_size}")
@@ -143,6 +266,7 @@ def raw_term_coefficients(
     # sends its forward's again.
     passes = 3 if resends_collectives(recompute, collectives_recomputed) else 2
     communication_fixed, communication_per_token = attention_communication(profile, hardware, sp_size, passes)
+    communication_fixed += state_round_seconds(profile, hardware, state_sharding, state_shards)
     overhead = profile.num_layers * hardware.layer_overhead_s
     return {
         "linear": (0.0, linear, 0.0),
@@ -161,6 +285,7 @@ def memory_coefficients(
     optimizer_shards: int = 1,
     reserved_bytes: float = float(GiB),
     collectives_recomputed: bool = False,
+    state_sharding: StateSharding | str = StateSharding.REPLICATED,
 ) -> MemoryCoefficients:
     """Peak bytes on each rank of an ``sp_size`` group: model state plus, per token of the
     micro-batch, what backward keeps (:meth:`ModelProfile.saved_activation_bytes_per_token`: the
@@ -169,14 +294,14 @@ def memory_coefficients(
     (:meth:`ModelProfile.backward_working_bytes_per_token`: what that layer or the head rebuilds,
     and the activation gradients alive meanwhile, all-to-all buffers included with the KV heads
     as wide as they travel). Checked against the measured peak of a step on CPU by
-    ``benchmarks/memory_peaks.py`` (``benchmarks/results/memory_peaks_cpu.md``)."""
+    ``benchmarks/memory_peaks.py`` (``benchmarks/results/memory_peaks_cpu.md``).
+
+    The model state is :func:`model_state_bytes` under ``state_sharding``: whole parameters and
+    gradients and ``1 / optimizer_shards`` of the optimizer state (``replicated``), or all of it
+    divided over ``optimizer_shards`` ranks plus what is unsharded while the micro-batch runs
+    (``sharded``), or only the latter (``sharded_offload``)."""
     recompute = RecomputePolicy.parse(recompute)
-    static = (
-        profile.parameter_bytes
-        + profile.gradient_bytes
-        + profile.optimizer_bytes / optimizer_shards
-        + reserved_bytes
-    )
+    static = model_state_bytes(profile, state_sharding, optimizer_shards) + reserved_bytes
     saved = profile.saved_activation_bytes_per_token(recompute, sp_size, collectives_recomputed)
     working = profile.backward_working_bytes_per_token(recompute, sp_size, collectives_recomputed)
     return MemoryCoefficients(static, (saved + working) / sp_size)

@@ -57,10 +57,14 @@ from .analytic import (
     GiB,
     MemoryCoefficients,
     ScoreLayout,
+    StateSharding,
     TimeCoefficients,
     context_seconds_per_sequence,
+    host_state_bytes,
     memory_coefficients,
+    model_state_bytes,
     raw_term_coefficients,
+    state_round_seconds,
     token_sums,
 )
 from .calibration import CalibrationPoint, CalibrationReport
@@ -71,7 +75,7 @@ from .model_profile import ModelProfile, video_attention_span
 __all__ = [
     "BACKWARD_FLOP_RATIO", "COST_TERMS", "DEFAULT_SCALES", "FLASH_BACKWARD_FLOP_RATIO", "GiB",
     "RECOMPUTE_POLICIES", "CalibrationPoint", "CalibrationReport", "CostModel", "MemoryCoefficients",
-    "ModelProfile", "RecomputePolicy", "TimeCoefficients", "video_attention_span",
+    "ModelProfile", "RecomputePolicy", "StateSharding", "TimeCoefficients", "video_attention_span",
 ]
 
 
@@ -81,6 +85,15 @@ class CostModel:
 
     ``optimizer_shards`` divides the optimizer state (ZeRO-1 over the data-parallel world);
     ``reserved_bytes`` is what the runtime keeps for itself (CUDA context, NCCL and cuBLAS workspaces).
+    ``state_sharding`` (:class:`~.analytic.StateSharding`): ``replicated`` (the default: whole
+    parameters and gradients on every rank during the step, as DDP and ``dcp.shard_model``'s
+    default mode keep them), ``sharded`` (ZeRO-3, ``dcp.shard_model(model,
+    reshard_after_forward=True)``: parameters, gradients and optimizer state all divided over the
+    ``optimizer_shards`` ranks, which must then be the planner's world, plus one round's unsharded
+    parameters and gradients; every micro-batch pays the world's all-gathers and reduce-scatters
+    and plans run in rounds) or ``sharded_offload`` (``sharded`` with FSDP2's ``CPUOffloadPolicy``:
+    the shards live in host memory and the optimizer steps there, see
+    :meth:`optimizer_step_seconds`).
     ``collectives_recomputed``: ``full`` means whole-block checkpointing, which re-sends the
     blocks' all-to-alls in backward and keeps only block inputs (the published system; the
     baselines plan with it), instead of our compiler's ``full``, which keeps the all-to-all
@@ -104,6 +117,7 @@ class CostModel:
     calibration: CalibrationReport | None = field(default=None, compare=False)
     collectives_recomputed: bool = False
     measured: MeasuredCosts | None = field(default=None, compare=False)
+    state_sharding: StateSharding = StateSharding.REPLICATED
 
     def __post_init__(self) -> None:
         unknown = set(self.scales) - set(COST_TERMS)
@@ -112,6 +126,7 @@ class CostModel:
         object.__setattr__(self, "scales", {**DEFAULT_SCALES, **self.scales})
         if self.optimizer_shards < 1:
             raise ValueError(f"optimizer_shards must be >= 1, got {self.optimizer_shards}")
+        object.__setattr__(self, "state_sharding", StateSharding.parse(self.state_sharding))
 
     @property
     def score_layout(self) -> ScoreLayout:
@@ -140,7 +155,8 @@ class CostModel:
     # ------------------------------------------------------------------ coefficients
     def raw_term_coefficients(self, sp_size: int, recompute: RecomputePolicy | str) -> dict[str, tuple[float, float, float]]:
         """Unscaled seconds of each term as ``(fixed, per_token, per_token_key)`` coefficients."""
-        return raw_term_coefficients(self.profile, self.hardware, sp_size, recompute, self.collectives_recomputed)
+        return raw_term_coefficients(self.profile, self.hardware, sp_size, recompute, self.collectives_recomputed,
+                                     self.state_sharding, self.optimizer_shards)
 
     def time_coefficients(self, sp_size: int, recompute: RecomputePolicy | str = "none") -> TimeCoefficients:
         return _time_coefficients(self, sp_size, recompute)
@@ -168,6 +184,40 @@ class CostModel:
 
     def memory_coefficients(self, sp_size: int, recompute: RecomputePolicy | str = "none") -> MemoryCoefficients:
         return _memory_coefficients(self, sp_size, recompute)
+
+    # ------------------------------------------------------------------ model state
+    @property
+    def rounds(self) -> bool:
+        """Must plans run in rounds (the state is sharded during the step: every micro-batch issues
+        world collectives, so every rank must issue them equally often)?"""
+        return self.state_sharding.rounds
+
+    def model_state_bytes(self) -> float:
+        """Device bytes of model state per rank during a step (:func:`.analytic.model_state_bytes`)."""
+        return model_state_bytes(self.profile, self.state_sharding, self.optimizer_shards)
+
+    def host_state_bytes(self) -> float:
+        """Host bytes of model state per rank (the shards of ``sharded_offload``; else 0)."""
+        return host_state_bytes(self.profile, self.state_sharding, self.optimizer_shards)
+
+    def state_round_seconds(self) -> float:
+        """Seconds every round costs each rank for the model state's collectives (and, offloaded,
+        host copies), scaled as communication; included in every micro-batch's fixed time."""
+        return self.scales["communication"] * state_round_seconds(
+            self.profile, self.hardware, self.state_sharding, self.optimizer_shards)
+
+    def optimizer_step_seconds(self) -> float:
+        """Seconds of one optimizer step on a rank, once per step and outside the plan's makespan:
+        an Adam-like update reads and writes its state, reads the gradient and writes the
+        parameters, all of the rank's ``1 / optimizer_shards``; memory-bound, at the host's memory
+        bandwidth share under ``sharded_offload`` (FSDP2's ``CPUOffloadPolicy`` steps on the host),
+        else at the device's (the ``memory`` scale applies). A lower bound: PyTorch's CPU AdamW
+        runs below the host's bandwidth."""
+        profile = self.profile
+        moved = (2 * profile.optimizer_bytes + profile.gradient_bytes + profile.parameter_bytes) / self.optimizer_shards
+        offloaded = self.state_sharding is StateSharding.SHARDED_OFFLOAD
+        bandwidth = self.hardware.host_memory_bandwidth if offloaded else self.hardware.memory_bandwidth
+        return self.scales["memory"] * moved / bandwidth
 
     # ------------------------------------------------------------------ queries
     def terms(
@@ -314,7 +364,7 @@ def _scaled_sum(model: CostModel, raw: dict[str, tuple[float, float, float]], te
 def _memory_coefficients(model: CostModel, sp_size: int, recompute: RecomputePolicy | str) -> MemoryCoefficients:
     analytic = memory_coefficients(
         model.profile, sp_size, recompute, optimizer_shards=model.optimizer_shards, reserved_bytes=model.reserved_bytes,
-        collectives_recomputed=model.collectives_recomputed,
+        collectives_recomputed=model.collectives_recomputed, state_sharding=model.state_sharding,
     )
     fit = model.measured.fit_for(sp_size, recompute) if model.measured is not None else None
     measured = fit.memory_coefficients() if fit is not None else None

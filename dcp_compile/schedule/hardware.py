@@ -32,7 +32,10 @@ class Hardware:
     Bandwidths are bytes/s one way per device; latencies are seconds per collective call.
     ``layer_overhead_s`` is the fixed host/launch time one transformer layer costs per training
     micro-batch (forward + backward) whatever its size: it is why many tiny micro-batches are slower
-    than one packed one.
+    than one packed one. ``host_link_bandwidth`` is one direction of the device's link to host
+    memory (PCIe), what FSDP2's ``CPUOffloadPolicy`` copies shards over; ``host_memory_bandwidth``
+    is the device's share of its host's DRAM bandwidth, what an optimizer step on the host reads
+    and writes at.
     """
 
     name: str
@@ -45,11 +48,13 @@ class Hardware:
     inter_node_latency: float
     gpus_per_node: int
     layer_overhead_s: float = 1e-4
+    host_link_bandwidth: float = 50 * GB
+    host_memory_bandwidth: float = 75 * GB
 
     def __post_init__(self) -> None:
         for field_name in (
             "peak_flops", "memory_bandwidth", "memory_capacity",
-            "intra_node_bandwidth", "inter_node_bandwidth",
+            "intra_node_bandwidth", "inter_node_bandwidth", "host_link_bandwidth", "host_memory_bandwidth",
         ):
             if getattr(self, field_name) <= 0:
                 raise ValueError(f"Hardware.{field_name} must be positive, got {getattr(self, field_name)!r}")
@@ -86,6 +91,8 @@ class Hardware:
             inter_node_latency=100e-6,
             gpus_per_node=max(1, ranks_per_node),
             layer_overhead_s=2e-4,
+            host_link_bandwidth=memory_bandwidth,  # "offloading" a CPU's tensors is a copy in the same memory
+            host_memory_bandwidth=memory_bandwidth,
         )
 
     @classmethod
@@ -160,6 +167,19 @@ class Hardware:
         latency = self.inter_node_latency if world_size > self.gpus_per_node else self.intra_node_latency
         return 2 * latency * (world_size - 1) + 2 * (world_size - 1) / world_size * total_bytes / bandwidth
 
+    def all_gather_seconds(self, total_bytes: float, world_size: int, calls: int = 1) -> float:
+        """Ring all-gather (or reduce-scatter: the same traffic) of a ``total_bytes`` buffer over
+        ``world_size`` ranks in ``calls`` collectives: each rank moves (P-1)/P of the buffer over
+        the slowest link it uses, and each call pays the ring's latency (FSDP2 issues one per
+        sharded module)."""
+        if world_size <= 1 or total_bytes <= 0:
+            return 0.0
+        bandwidth = self.inter_node_bandwidth if world_size > self.gpus_per_node else self.intra_node_bandwidth
+        latency = self.inter_node_latency if world_size > self.gpus_per_node else self.intra_node_latency
+        return calls * latency * (world_size - 1) + (world_size - 1) / world_size * total_bytes / bandwidth
+
+    reduce_scatter_seconds = all_gather_seconds
+
     # ------------------------------------------------------------------ io
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -182,7 +202,9 @@ H100_MEMORY_BYTES = 81_559 * MiB
 # The lower, torch-reported one is used: 150,109,945,856 bytes (141e9 was 6% under it).
 H200_MEMORY_BYTES = 143_156 * MiB
 # NVIDIA H200 SXM: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e, 141 GB; NVLink 4 (450 GB/s one way) inside
-# an 8-GPU node, one 400 Gb/s InfiniBand NIC per GPU across nodes.
+# an 8-GPU node, one 400 Gb/s InfiniBand NIC per GPU across nodes. Host side (the defaults): PCIe 5.0
+# x16 to the host, 64 GB/s one way raw, about 50 GB/s achieved; a DGX H100/H200's two Xeon 8480C
+# with 8 DDR5-4800 channels each (2 x 307 GB/s) shared by 8 GPUs: about 75 GB/s per GPU.
 H200 = Hardware(
     name="H200",
     peak_flops=989e12,
