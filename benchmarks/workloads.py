@@ -3,8 +3,11 @@
 
 ``steps(distribution, seed, tokens_per_step, count, context_window)`` draws the steps every
 scheduler of a comparison trains (iso-batch): samples drawn with a seeded generator until a step
-holds ``tokens_per_step`` tokens (the last sample may overshoot). ``python benchmarks/workloads.py``
-prints each distribution's statistics beside its source's figures.
+holds ``tokens_per_step`` tokens (the last sample may overshoot). A video step also gives each
+clip's (latent frames, rows, columns), scaled by a setup's ``latent_scale`` where one is given
+(``distribution(name, latent_scale)``: a coarser patch along each axis, the same for every clip, so
+that a CPU stand-in runs the published bucket mix). ``python benchmarks/workloads.py`` prints each
+distribution's statistics beside its source's figures.
 """
 
 from __future__ import annotations
@@ -29,21 +32,40 @@ def load() -> dict[str, Any]:
     return json.loads(WORKLOADS_FILE.read_text())
 
 
+Shape = tuple[int, int, int]  # (latent frames, rows, columns) of patches
+
+
 @dataclass(frozen=True)
 class Step:
-    """One step's samples: token lengths and attention spans (None: full attention)."""
+    """One step's samples: token lengths, attention spans (None: full attention) and, for video,
+    each clip's shape (frames, rows, columns; their product is the clip's length)."""
 
     lengths: list[int]
     spans: list[float] | None
+    shapes: list[Shape] | None = None
+
+
+def scaled_shape(shape: Shape, latent_scale: dict[str, int] | None) -> Shape:
+    """``shape`` with latent frames, rows and columns divided by ``latent_scale``'s ``frames``,
+    ``rows`` and ``columns``, rounded up; an image (one frame) keeps its frame."""
+    if not latent_scale:
+        return shape
+    frames, rows, columns = shape
+    return (1 if frames == 1 else math.ceil(frames / latent_scale["frames"]), math.ceil(rows / latent_scale["rows"]),
+            math.ceil(columns / latent_scale["columns"]))
 
 
 class Distribution:
-    """Draws samples of one distribution of ``workloads.json``."""
+    """Draws samples of one distribution of ``workloads.json`` (video clips scaled by
+    ``latent_scale``, if given: see :func:`scaled_shape`)."""
 
-    def __init__(self, name: str, spec: dict[str, Any]) -> None:
+    def __init__(self, name: str, spec: dict[str, Any], latent_scale: dict[str, int] | None = None) -> None:
         self.name, self.spec, self.kind = name, spec, spec["kind"]
+        self.latent_scale = latent_scale
         if self.kind == "opensora_buckets":
-            self._buckets = _opensora_buckets(spec["num_videos"], spec["image_multiple"])
+            self._buckets = _opensora_buckets(spec["num_videos"], spec["image_multiple"], latent_scale)
+        elif latent_scale:
+            raise ValueError(f"{name}: a latent scale applies to video clips only")
         elif self.kind not in ("mixture_exponential", "log_uniform_bins"):
             raise ValueError(f"unknown distribution kind {self.kind!r} in {WORKLOADS_FILE}")
 
@@ -51,53 +73,65 @@ class Distribution:
     def video(self) -> bool:
         return self.kind == "opensora_buckets"
 
+    @property
+    def buckets(self) -> list[tuple[int, float, Shape]]:
+        """A video distribution's buckets: (tokens, span, shape), in the mix's order."""
+        return list(self._buckets[0])
+
     def document(self, rng: random.Random) -> tuple[int, float | None]:
         """One document's (tokens, span) before the context window applies."""
+        tokens, span, _ = self.sample(rng)
+        return tokens, span
+
+    def sample(self, rng: random.Random) -> tuple[int, float | None, Shape | None]:
+        """One document's (tokens, span, shape) before the context window applies (a shape for
+        video clips only)."""
         spec = self.spec
         if self.kind == "mixture_exponential":
             categories = spec["categories"]
             _, _, mean = rng.choices(categories, weights=[c[1] for c in categories])[0]
-            return max(spec["min_tokens"], int(round(rng.expovariate(1.0 / mean)))), None
+            return max(spec["min_tokens"], int(round(rng.expovariate(1.0 / mean)))), None, None
         if self.kind == "log_uniform_bins":
             bins = spec["bins"]
             low, high, _ = rng.choices(bins, weights=[b[2] for b in bins])[0]
-            return int(math.exp(rng.uniform(math.log(low), math.log(high)))), None
-        tokens, span = rng.choices(self._buckets[0], weights=self._buckets[1])[0]
-        return tokens, span
+            return int(math.exp(rng.uniform(math.log(low), math.log(high)))), None, None
+        return rng.choices(self._buckets[0], weights=self._buckets[1])[0]
 
-    def samples(self, rng: random.Random, context_window: int) -> list[tuple[int, float | None]]:
-        """The samples one drawn document gives under ``context_window``."""
-        tokens, span = self.document(rng)
+    def samples(self, rng: random.Random, context_window: int) -> list[tuple[int, float | None, Shape | None]]:
+        """The samples one drawn document gives under ``context_window``: (tokens, span, shape)."""
+        tokens, span, shape = self.sample(rng)
         if tokens <= context_window:
-            return [(tokens, span)]
+            return [(tokens, span, shape)]
         policy = self.spec["over_context"]
         if policy == "truncate":
-            return [(context_window, None)]
+            return [(context_window, None, None)]
         if policy == "split":
-            chunks = [(context_window, None)] * (tokens // context_window)
+            chunks = [(context_window, None, None)] * (tokens // context_window)
             if tokens % context_window:
-                chunks.append((tokens % context_window, None))
+                chunks.append((tokens % context_window, None, None))
             return chunks
         return []  # "reject": a clip over the window is not trained by this setup
 
 
-def _opensora_buckets(num_videos: int, image_multiple: float) -> tuple[list[tuple[int, float]], list[int]]:
+def _opensora_buckets(num_videos: int, image_multiple: float, latent_scale: dict[str, int] | None = None
+                      ) -> tuple[list[tuple[int, float, Shape]], list[int]]:
     videos = sorted(((r, f) for r in RESOLUTIONS for f in FRAMES if f > 1), key=lambda b: math.prod(video_shape(*b)))
     counts = _zipf_counts(videos, num_videos)
     counts.update(_zipf_counts([(r, 1) for r in RESOLUTIONS], int(image_multiple * num_videos)))
     population, weights = [], []
     for bucket, count in counts.items():
-        frames, height, width = video_shape(*bucket)
-        population.append((frames * height * width, video_attention_span(frames, height, width)))
+        shape = scaled_shape(video_shape(*bucket), latent_scale)
+        population.append((math.prod(shape), video_attention_span(*shape), shape))
         weights.append(count)
     return population, weights
 
 
-def distribution(name: str) -> Distribution:
+def distribution(name: str, latent_scale: dict[str, int] | None = None) -> Distribution:
+    """The distribution ``name`` of ``workloads.json``; video clips scaled by ``latent_scale``."""
     specs = load()["distributions"]
     if name not in specs:
         raise KeyError(f"no distribution {name!r} in {WORKLOADS_FILE}; it has {sorted(specs)}")
-    return Distribution(name, specs[name])
+    return Distribution(name, specs[name], latent_scale)
 
 
 def steps(dist: Distribution, seed: int, tokens_per_step: int, count: int, context_window: int) -> list[Step]:
@@ -107,14 +141,16 @@ def steps(dist: Distribution, seed: int, tokens_per_step: int, count: int, conte
     for _ in range(count):
         lengths: list[int] = []
         spans: list[float] = []
+        shapes: list[Shape] = []
         while sum(lengths) < tokens_per_step:
             if not pending:
                 pending = dist.samples(rng, context_window)
                 continue
-            tokens, span = pending.pop(0)
+            tokens, span, shape = pending.pop(0)
             lengths.append(tokens)
             spans.append(float(tokens) if span is None else span)
-        out.append(Step(lengths, spans if dist.video else None))
+            shapes.append(shape)
+        out.append(Step(lengths, spans if dist.video else None, shapes if dist.video else None))
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,41 @@ def test_the_replay_builds_every_scheduler_from_one_budget() -> None:
     caps = {c.scheduler.memory_cap for c in list(families.values()) + list(rungs.values())}
     assert len(caps) == 1 and caps.pop() == pytest.approx(0.8 * Hardware.H100.memory_capacity)
     assert "dcp" in families and len(rungs) == len(ABLATION_RUNGS)
+
+
+def test_the_video_replay_builds_every_scheduler_from_one_budget_packing_equal_shapes_only() -> None:
+    """The replay's video path (replay_cpu's DiT stand-in): one budget that packs equal lengths
+    only; the families that pack mixed lengths into one row are out; DCP, static SP with recompute
+    and the ablation's rungs pack equal shapes only; every micro-batch replays as one call per shape."""
+    import replay
+    import torch
+    import workloads
+
+    from dcp_compile.schedule.comparison import MIXED_PACKING_FAMILIES
+
+    setup = workloads.load()["setups"]["replay_cpu"]
+    video = setup["video"]
+    dit = CostModel(replay.dit_prior(video, torch.float32), Hardware.H100, optimizer_shards=8)
+    cap = replay.stand_in_cap(dit, video["context_window"], torch.device("cpu"))
+    dit = CostModel(dit.profile, replace(Hardware.H100, memory_capacity=cap / setup["memory_fraction"]),
+                    optimizer_shards=8)
+    dist = replay.video_distribution("video-opensora", video)
+    step = workloads.steps(dist, 0, 8 * video["tokens_per_rank"], 1, video["context_window"])[0]
+    assert [math.prod(shape) for shape in step.shapes] == step.lengths and max(step.lengths) <= video["context_window"]
+    budget = Budget(dit, 8, setup["memory_fraction"], pack_equal_lengths_only=True)
+    families, rungs = replay.plan_families(budget, [(step.lengths, None)], video["context_window"])
+    caps = {c.scheduler.memory_cap for c in list(families.values()) + list(rungs.values())}
+    assert len(caps) == 1 and caps.pop() == pytest.approx(budget.memory_cap)
+    assert "dcp" in families and "static-sp+recompute" in families and len(rungs) == len(ABLATION_RUNGS)
+    assert not set(MIXED_PACKING_FAMILIES) & set(families)
+    shapes = replay.clips_of(step)
+    for label, contender in list(families.items()) + list(rungs.items()):
+        for mb in contender.schedules[0].microbatches:
+            mb_shapes = [shapes[p] for p in mb.positions]
+            calls = replay.DiTReplayer.calls(mb_shapes, mb.sp_size, mb.recompute)
+            assert len(calls) == len(set(mb_shapes)) and sum(count for (_, count), _, _ in calls) == len(mb_shapes)
+            if label in ("dcp", "static-sp+recompute") or label in rungs:
+                assert len({step.lengths[p] for p in mb.positions}) == 1, (label, mb)
 
 
 # ------------------------------------------------------------------ the step a user pays

@@ -17,11 +17,17 @@ very steps they are then measured on, DCP is not tuned at all):
   every such size, ``dynamic-cp`` (Megatron Core) over its recompute policy and per-rank threshold.
 
 :func:`ablation` builds the ladder that splits DCP's gain into its three choices.
+
+A model that cannot pack samples of different lengths into one row (a DiT: each clip shape is a
+call of its own) sets ``Budget.pack_equal_lengths_only``: every contender that packs then packs
+equal lengths only (the planner's ``PlannerConfig(pack_equal_lengths_only=True)``, static SP's
+``pack_equal_lengths_only``), and the families that pack mixed lengths into one row by design
+(:data:`MIXED_PACKING_FAMILIES`) are left out. The published schedulers are planned as published.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol, Sequence
 
 from dcp_compile.variant import RECOMPUTE_POLICIES
@@ -32,11 +38,14 @@ from .planner import Planner, PlannerConfig
 from .published_schedulers import BucketParallelScheduler, DCPInterScheduler, StaticSPScheduler
 from .user_baselines import DYNAMIC_CP_THRESHOLD_SHARES, BalancedStaticSP, DynamicCP, PackedStaticCP
 
-__all__ = ["ABLATION_RUNGS", "BASELINE_FAMILIES", "Budget", "PlannerScheduler", "Scheduler", "ablation",
-           "contenders", "tune"]
+__all__ = ["ABLATION_RUNGS", "BASELINE_FAMILIES", "MIXED_PACKING_FAMILIES", "Budget", "PlannerScheduler", "Scheduler",
+           "ablation", "contenders", "tune"]
 
 BASELINE_FAMILIES = ("static-sp", "bucket-parallel", "dcp-inter", "static-sp+recompute", "packed-static-cp",
                      "dynamic-cp")
+# Families whose micro-batches pack samples of mixed lengths into one row (Megatron Core's packing
+# and dynamic CP): a model that runs one call per sample shape cannot train them as designed.
+MIXED_PACKING_FAMILIES = ("packed-static-cp", "dynamic-cp")
 ABLATION_RUNGS = ("static SP, one policy, dealt in order", "+ recompute per micro-batch",
                   "+ accumulation (micro-batches chosen per step)", "+ SP choice (DCP)")
 
@@ -50,12 +59,15 @@ class Scheduler(Protocol):
 
 @dataclass(frozen=True)
 class Budget:
-    """What every scheduler of one comparison shares: the cost model (time, memory), the world and
-    the memory cap (``memory_fraction`` of the cost model's device memory)."""
+    """What every scheduler of one comparison shares: the cost model (time, memory), the world, the
+    memory cap (``memory_fraction`` of the cost model's device memory) and what the model can pack:
+    ``pack_equal_lengths_only`` for a model that cannot pack samples of different lengths into one
+    row (a DiT's clips of different shapes)."""
 
     cost_model: CostModel
     world_size: int
     memory_fraction: float = 0.9
+    pack_equal_lengths_only: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.memory_fraction <= 1:
@@ -67,10 +79,13 @@ class Budget:
 
 
 class PlannerScheduler:
-    """The DCP planner behind the scheduler interface (``config`` restricts it for the ablation)."""
+    """The DCP planner behind the scheduler interface (``config`` restricts it for the ablation; the
+    budget's packing restriction applies on top of it)."""
 
     def __init__(self, budget: Budget, config: PlannerConfig | None = None, name: str = "dcp") -> None:
         self.name = name
+        if budget.pack_equal_lengths_only:
+            config = replace(config or PlannerConfig(), pack_equal_lengths_only=True)
         self.planner = Planner(budget.cost_model, budget.world_size, budget.memory_fraction, config=config)
         self.memory_cap = self.planner.memory_cap
         self.cost_model = budget.cost_model
@@ -96,9 +111,11 @@ def feasible_sizes(budget: Budget, max_length: int) -> list[int]:
 
 def contenders(budget: Budget, max_length: int) -> dict[str, list[Scheduler]]:
     """Every family's configurations under ``budget`` for a dataset whose longest sample has
-    ``max_length`` tokens (a family no configuration of which can train it is left out)."""
+    ``max_length`` tokens (a family no configuration of which can train it is left out, and so are
+    :data:`MIXED_PACKING_FAMILIES` when the budget packs equal lengths only)."""
     cap = budget.memory_cap
     model, world = budget.cost_model, budget.world_size
+    equal_only = budget.pack_equal_lengths_only
     families: dict[str, list[Scheduler]] = {"dcp": [PlannerScheduler(budget)]}
     for family, build in (
         ("static-sp", lambda: [_published(budget, StaticSPScheduler, max_length)]),
@@ -110,7 +127,10 @@ def contenders(budget: Budget, max_length: int) -> dict[str, list[Scheduler]]:
         except ValueError:  # the published rule cannot place the longest sample under this cap
             pass
     sizes = feasible_sizes(budget, max_length)
-    families["static-sp+recompute"] = [BalancedStaticSP(model, world, cap, s, max_length) for s in sizes]
+    families["static-sp+recompute"] = [BalancedStaticSP(model, world, cap, s, max_length, pack_equal_lengths_only=equal_only)
+                                       for s in sizes]
+    if equal_only:
+        return {name: members for name, members in families.items() if members}
     families["packed-static-cp"] = [PackedStaticCP(model, world, cap, s, max_length) for s in sizes]
     dynamic = []
     for policy in RECOMPUTE_POLICIES:
@@ -154,10 +174,12 @@ def ablation(budget: Budget, max_length: int, sp_size: int) -> dict[str, Schedul
     counts and contents per group chosen per step (the planner restricted to that one size, which
     also tries the balanced static plan); every SP size (DCP)."""
     model, world, cap = budget.cost_model, budget.world_size, budget.memory_cap
+    equal_only = budget.pack_equal_lengths_only
     return {
         ABLATION_RUNGS[0]: BalancedStaticSP(model, world, cap, sp_size, max_length, per_microbatch_recompute=False,
-                                            balanced=False),
-        ABLATION_RUNGS[1]: BalancedStaticSP(model, world, cap, sp_size, max_length, balanced=False),
+                                            balanced=False, pack_equal_lengths_only=equal_only),
+        ABLATION_RUNGS[1]: BalancedStaticSP(model, world, cap, sp_size, max_length, balanced=False,
+                                            pack_equal_lengths_only=equal_only),
         ABLATION_RUNGS[2]: PlannerScheduler(budget, PlannerConfig(sp_sizes=(sp_size,)), name=f"dcp at sp{sp_size} only"),
         ABLATION_RUNGS[3]: PlannerScheduler(budget),
     }
