@@ -147,3 +147,128 @@ def test_hardware_records_without_host_figures_still_load() -> None:
     data = Hardware.H100.to_dict()
     del data["host_link_bandwidth"], data["host_memory_bandwidth"]
     assert Hardware.from_dict(data) == Hardware.H100
+
+
+# --- plans in rounds ------------------------------------------------------------------------------
+
+from dataclasses import replace  # noqa: E402
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from dcp_compile.schedule.cost_model import video_attention_span  # noqa: E402
+from dcp_compile.schedule.plan import StepPlan  # noqa: E402
+from dcp_compile.schedule.planner import Planner, PlanningError  # noqa: E402
+from dcp_compile.schedule.rounds import round_times  # noqa: E402
+
+VIDEO = ModelProfile.from_config("stdit3-xl/2")
+TWO_PER_NODE = replace(Hardware.H200, gpus_per_node=2)  # 4+ ranks cross a "node": slow all-gathers
+
+
+def check_rounds(cost: CostModel, schedule, lengths, spans, world: int) -> None:
+    """Every rank the same count of rounds, at most one micro-batch per rank per round, no empty
+    round, the step the sum of the rounds' longest micro-batches, everything fits and is priced."""
+    schedule.validate(len(lengths))
+    assert schedule.rounds >= 1 and schedule.rounds >= max(
+        sum(1 for mb in schedule.microbatches if rank in mb.ranks) for rank in range(world))
+    slots = [schedule.rank_rounds(rank) for rank in range(world)]  # raises on two in one round
+    assert {len(s) for s in slots} == {schedule.rounds}
+    for r in range(schedule.rounds):
+        assert any(s[r] is not None for s in slots), f"round {r} is empty"
+    times = round_times(schedule)
+    assert schedule.makespan == pytest.approx(sum(times))
+    assert schedule.makespan >= max(schedule.rank_loads()) * (1 - 1e-12)
+    cap = 0.9 * cost.hardware.memory_capacity
+    for mb in schedule.microbatches:
+        mb_lengths = [lengths[p] for p in mb.positions]
+        assert cost.peak_memory(mb_lengths, mb.sp_size, mb.recompute) <= cap, mb
+        mb_spans = None if spans is None else [spans[p] for p in mb.positions]
+        assert mb.predicted_time == pytest.approx(cost.time(mb_lengths, mb.sp_size, mb.recompute, mb_spans), rel=1e-9)
+        # Every micro-batch pays the round's state collectives.
+        assert mb.predicted_time >= cost.state_round_seconds()
+
+
+@st.composite
+def sharded_steps(draw):
+    world = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    mode = draw(st.sampled_from(["sharded", "sharded_offload"]))
+    hardware = draw(st.sampled_from([Hardware.H100, TWO_PER_NODE]))
+    if draw(st.booleans()):
+        frames, height, width = zip(*draw(st.lists(st.sampled_from(
+            [(1, 9, 16), (15, 15, 27), (30, 23, 40), (60, 30, 54), (120, 45, 80)]), min_size=1, max_size=40)))
+        lengths = [t * h * w for t, h, w in zip(frames, height, width)]
+        spans = [video_attention_span(t, h, w) for t, h, w in zip(frames, height, width)]
+        profile = VIDEO
+    else:
+        lengths = draw(st.lists(st.sampled_from([128, 700, 2048, 5000, 16384, 40000, 100_000]), min_size=1, max_size=60))
+        spans, profile = None, LLAMA
+    return CostModel(profile, hardware, optimizer_shards=world, state_sharding=mode), world, lengths, spans
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=sharded_steps())
+def test_every_rank_runs_the_same_number_of_rounds(case) -> None:
+    cost, world, lengths, spans = case
+    try:
+        schedule = Planner(cost, world).plan(lengths, spans)
+    except PlanningError:
+        return  # a sequence fits on no group of this world
+    check_rounds(cost, schedule, lengths, spans, world)
+    plans = [StepPlan.from_schedule(schedule, step=0, epoch=0, rank=rank, indices=range(len(lengths)), lengths=lengths)
+             for rank in range(world)]
+    assert {plan.num_rounds for plan in plans} == {schedule.rounds}
+    for plan in plans:
+        assert len(plan.rounds) == schedule.rounds
+        assert [mb for mb in plan.rounds if mb is not None] == list(plan.microbatches)  # run in round order
+        for r, mb in enumerate(plan.rounds):
+            if mb is not None:
+                assert mb.round == r and plan.rank in mb.group_ranks
+                for peer in mb.group_ranks:  # the whole group runs it in the same round
+                    assert plans[peer].rounds[r] == mb
+    assert len({plan.plan_hash() for plan in plans}) == 1
+
+
+def test_a_replicated_plan_has_no_rounds() -> None:
+    schedule = Planner(CostModel(LLAMA, Hardware.H100, optimizer_shards=8), 8).plan([4096] * 40)
+    assert schedule.rounds == 0
+    plan = StepPlan.from_schedule(schedule, step=0, epoch=0, rank=0, indices=range(40), lengths=[4096] * 40)
+    assert plan.num_rounds == 0 and plan.rounds == () and all(mb.round == -1 for mb in plan.microbatches)
+
+
+def test_the_planner_refuses_a_state_sharded_over_another_world() -> None:
+    with pytest.raises(ValueError, match="optimizer_shards=8"):
+        Planner(llama(4, "sharded"), 8)
+
+
+def test_dearer_rounds_make_fewer_larger_micro_batches() -> None:
+    """The planner trades micro-batch count against the round's collectives: the same step on a
+    slower network (every round's all-gathers and reduce-scatters cost more) packs into fewer
+    rounds, and it is never planned in more rounds than there are micro-batches on a rank."""
+    lengths = [20_000] * 30  # 75k tokens per rank: several rounds at SP 1
+    fast = Planner(llama(8, "sharded", TWO_PER_NODE), 8).plan(lengths)
+    slow_link = replace(TWO_PER_NODE, inter_node_bandwidth=TWO_PER_NODE.inter_node_bandwidth / 20)
+    slow_model = llama(8, "sharded", slow_link)
+    assert slow_model.state_round_seconds() > 10 * llama(8, "sharded", TWO_PER_NODE).state_round_seconds()
+    slow = Planner(slow_model, 8).plan(lengths)
+    check_rounds(slow_model, slow, lengths, None, 8)
+    assert slow.rounds < fast.rounds, (slow.rounds, fast.rounds)  # 2 against 4 at this commit
+    assert len(slow.microbatches) < len(fast.microbatches)  # 16 against 30
+
+
+def test_rounds_keep_long_micro_batches_together() -> None:
+    """A round takes its longest micro-batch, so long ones share rounds: rank 0 runs 10 s then 1 s,
+    rank 1 (in plan order) 1 s then 10 s, and an SP-2 micro-batch of 4 s; rounds in plan order
+    would cost 10 + 10 + 4, longest first costs 10 + 4 + 1."""
+    from dcp_compile.schedule.plan import Schedule, ScheduledMicroBatch
+    from dcp_compile.schedule.rounds import assign_rounds
+    from dcp_compile.variant import RecomputePolicy
+
+    def mb(position: int, size: int, first: int, seconds: float) -> ScheduledMicroBatch:
+        return ScheduledMicroBatch([position], size, first, RecomputePolicy.NONE, seconds, 1)
+
+    schedule = assign_rounds(Schedule(2, [mb(0, 1, 0, 10.0), mb(1, 1, 0, 1.0), mb(2, 1, 1, 1.0), mb(3, 1, 1, 10.0),
+                                          mb(4, 2, 0, 4.0)]))
+    assert schedule.rounds == 3
+    assert round_times(schedule) == [10.0, 4.0, 1.0]
+    assert schedule.makespan == 15.0
+    assert [m.round for m in schedule.microbatches] == [0, 2, 2, 0, 1]

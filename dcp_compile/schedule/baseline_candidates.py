@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from dcp_compile.variant import RECOMPUTE_POLICIES
 
+from .analytic import ScoreLayout
 from .plan import Schedule
 from .plan_tables import EPSILON
 from .user_baselines import DYNAMIC_CP_THRESHOLD_SHARES, BalancedStaticSP, DynamicCP, gpus_needed
@@ -70,7 +71,10 @@ def _dynamic_cp(planner: "Planner", longest: int, share: float, restrictions: di
 
 def best_of_baselines(planner: "Planner", schedule: Schedule, lengths: Sequence[int], keys: Sequence[float],
                       spans: Sequence[float] | None) -> Schedule:
-    """``schedule``, or a baseline candidate's plan when that one has the smaller makespan."""
+    """``schedule``, or a baseline candidate's plan when that one has the smaller makespan (each laid
+    out as it runs: in rounds under sharded model state, :meth:`Planner.finish`)."""
+    dense_rows = spans is None and planner.score_layout is ScoreLayout.DENSE_RANGES
+    schedule = planner.finish(schedule, lengths, keys, dense_rows)
     best, best_makespan = schedule, schedule.makespan
     config = planner.config
     world = planner.world_size
@@ -104,11 +108,13 @@ def best_of_baselines(planner: "Planner", schedule: Schedule, lengths: Sequence[
             candidate = scheduler.schedule(lengths, spans)
         except ValueError:  # the baseline cannot plan this step under the planner's restrictions
             continue
+        for microbatch in candidate.microbatches:
+            microbatch.round = 0
+        candidate = planner.finish(Schedule(world, candidate.microbatches, scheduler="dcp", chosen_from=scheduler.name),
+                                   lengths, keys, dense_rows)
         makespan = candidate.makespan
         if makespan < best_makespan - EPSILON:
             log.debug("planner: %s's plan (%.4g s) beats the planned one (%.4g s)", scheduler.name, makespan, best_makespan)
-            for microbatch in candidate.microbatches:
-                microbatch.round = 0
-            best = Schedule(world, candidate.microbatches, scheduler="dcp", chosen_from=scheduler.name)
+            best = candidate
             best_makespan = makespan
     return best

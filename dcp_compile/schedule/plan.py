@@ -16,6 +16,15 @@ micro-batches by descending SP size, then ascending first rank of the group, the
 micro-batches that share ranks are then run in the same order by every rank they share (aligned
 blocks are nested or disjoint), so collectives never cross, and the ranks of a group reach each
 group's micro-batches together: a rank's finish time is exactly the sum of its micro-batch times.
+
+Rounds. When the model state is sharded during the step (ZeRO-3, ``CostModel.state_sharding``),
+every micro-batch all-gathers the parameters and reduce-scatters the gradients over the *world*,
+so every rank must run forward and backward equally often. Such a plan is cut into rounds
+(:mod:`.rounds`): in each round every rank runs exactly one micro-batch, or none and joins the
+round's collectives with zero gradients (``dcp.shard_model``'s idle round). ``Schedule.rounds`` and
+``StepPlan.num_rounds`` count them (the same on every rank), ``MicroBatch.round`` says which round
+a micro-batch runs in, ranks run their micro-batches by round, and the step takes the sum over
+rounds of the round's longest micro-batch (``Schedule.makespan``).
 """
 
 from __future__ import annotations
@@ -44,7 +53,9 @@ class ScheduledMicroBatch:
     recompute: RecomputePolicy  # the planner and the published schedulers give the enum
     predicted_time: float
     tokens: int
-    round: int = 0  # schedules with several synchronised rounds per step (the published baselines)
+    # Schedules with several synchronised rounds per step: the published baselines (a gradient sync
+    # ends each), and every plan under sharded model state (one micro-batch per rank per round).
+    round: int = 0
 
     @property
     def ranks(self) -> range:
@@ -62,6 +73,9 @@ class Schedule:
     dropped: list[int] = field(default_factory=list)
     # The planner keeps a baseline's plan when it is faster than its own: which one (else None).
     chosen_from: str | None = None
+    # Rounds of a plan under sharded model state (every rank runs one micro-batch or nothing in
+    # each, ``round`` says which); 0: the plan has no rounds (ranks run their micro-batches freely).
+    rounds: int = 0
 
     def rank_loads(self) -> list[float]:
         """Seconds each rank spends (the sum of its micro-batch times)."""
@@ -73,8 +87,22 @@ class Schedule:
 
     @property
     def makespan(self) -> float:
-        """The step's time: the busiest rank's summed micro-batch time (one sync per step)."""
+        """The step's time: the busiest rank's summed micro-batch time (one sync per step), or for
+        a plan in rounds the sum of each round's longest micro-batch (every rank waits for it at
+        the round's collectives)."""
+        if self.rounds:
+            return self.synchronised_makespan
         return max(self.rank_loads(), default=0.0)
+
+    def rank_rounds(self, rank: int) -> list[ScheduledMicroBatch | None]:
+        """A plan in rounds: what ``rank`` runs in each round (None: nothing, an idle round)."""
+        slots: list[ScheduledMicroBatch | None] = [None] * self.rounds
+        for microbatch in self.microbatches:
+            if rank in microbatch.ranks:
+                if slots[microbatch.round] is not None:
+                    raise AssertionError(f"{self.scheduler}: rank {rank} runs two micro-batches in round {microbatch.round}")
+                slots[microbatch.round] = microbatch
+        return slots
 
     @property
     def synchronised_makespan(self) -> float:
@@ -83,7 +111,7 @@ class Schedule:
         to :attr:`makespan` for single-round schedules, never below it."""
         rounds = sorted({microbatch.round for microbatch in self.microbatches})
         if len(rounds) <= 1:
-            return self.makespan
+            return max(self.rank_loads(), default=0.0)
         total = 0.0
         for round_index in rounds:
             loads = [0.0] * self.world_size
@@ -109,6 +137,12 @@ class Schedule:
             size = microbatch.sp_size
             if size & (size - 1) or microbatch.first_rank % size or microbatch.first_rank + size > self.world_size:
                 raise AssertionError(f"{self.scheduler}: misaligned group {microbatch.first_rank}+{size}")
+        if self.rounds:
+            for microbatch in self.microbatches:
+                if not 0 <= microbatch.round < self.rounds:
+                    raise AssertionError(f"{self.scheduler}: round {microbatch.round} outside the plan's {self.rounds}")
+            for rank in range(self.world_size):
+                self.rank_rounds(rank)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,6 +163,7 @@ class MicroBatch:
     group_ranks: tuple[int, ...]
     predicted_time: float
     tokens: int = 0
+    round: int = -1  # the round it runs in, in a plan with rounds (sharded model state); else -1
 
     @property
     def sp_size(self) -> int:
@@ -178,6 +213,7 @@ class StepPlan:
     world_size: int = 1
     lower_bound: float = 0.0
     scheduler: str = "dcp"
+    num_rounds: int = 0  # rounds of a plan under sharded model state (the same on every rank); else 0
     _hash: list[str] = field(default_factory=list, repr=False, compare=False)
 
     # ------------------------------------------------------------------ views
@@ -189,6 +225,20 @@ class StepPlan:
     def rank_microbatches(self, rank: int) -> tuple[MicroBatch, ...]:
         """The micro-batches ``rank`` runs, in the execution order described in the module docstring."""
         return _rank_microbatches(self.groups, rank)
+
+    @property
+    def rounds(self) -> tuple[MicroBatch | None, ...]:
+        """This rank's rounds (a plan under sharded model state): the micro-batch it runs in each,
+        or None where it runs none; ``()`` for a plan without rounds."""
+        return self.rank_rounds(self.rank)
+
+    def rank_rounds(self, rank: int) -> tuple[MicroBatch | None, ...]:
+        if not self.num_rounds:
+            return ()
+        slots: list[MicroBatch | None] = [None] * self.num_rounds
+        for microbatch in self.rank_microbatches(rank):
+            slots[microbatch.round] = microbatch
+        return tuple(slots)
 
     def predicted_rank_times(self) -> list[float]:
         loads = [0.0] * self.world_size
@@ -209,6 +259,8 @@ class StepPlan:
                     for group in self.groups
                 ],
             ]
+            if self.num_rounds:
+                payload.append([self.num_rounds, [[mb.round for mb in group.microbatches] for group in self.groups]])
             self._hash.append(hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest())
         return self._hash[0]
 
@@ -248,6 +300,7 @@ class StepPlan:
                 group_ranks=tuple(scheduled.ranks),
                 predicted_time=scheduled.predicted_time,
                 tokens=sum(int(lengths[p]) for p in scheduled.positions),
+                round=scheduled.round if schedule.rounds else -1,
             )
             grouped.setdefault((scheduled.sp_size, scheduled.first_rank), []).append(record)
         groups = tuple(
@@ -265,6 +318,7 @@ class StepPlan:
             world_size=schedule.world_size,
             lower_bound=lower_bound,
             scheduler=schedule.scheduler,
+            num_rounds=schedule.rounds,
         )
 
     # ------------------------------------------------------------------ display
@@ -295,8 +349,9 @@ class StepPlan:
         lines = [header, "  ".join(c.rjust(w) for c, w in zip(columns, widths))]
         lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
         mine = sum(mb.predicted_time for mb in self.microbatches)
+        rounds = f" in {self.num_rounds} rounds" if self.num_rounds else ""
         lines.append(
-            f"this rank ({self.rank}): {len(self.microbatches)} micro-batches, predicted {_seconds(mine)}; "
+            f"this rank ({self.rank}): {len(self.microbatches)} micro-batches{rounds}, predicted {_seconds(mine)}; "
             f"plan {self.plan_hash()[:12]}"
         )
         return "\n".join(lines)
@@ -305,7 +360,10 @@ class StepPlan:
 def _rank_microbatches(groups: Sequence[GroupPlan], rank: int) -> tuple[MicroBatch, ...]:
     mine = [group for group in groups if rank in group.ranks]
     mine.sort(key=lambda group: (-group.sp_size, group.ranks[0]))
-    return tuple(mb for group in mine for mb in group.microbatches)
+    ordered = [mb for group in mine for mb in group.microbatches]
+    if ordered and ordered[0].round >= 0:  # a plan in rounds runs them by round
+        ordered.sort(key=lambda mb: mb.round)
+    return tuple(ordered)
 
 
 def _policy_order(policy: RecomputePolicy) -> int:

@@ -49,6 +49,12 @@ The phases live in their own modules, each a function of one :class:`~.planning_
 (b) :mod:`.placement`, (c) and (d) :mod:`.local_search`, (e) :mod:`.exact_search`. This module
 keeps the tables they read (per SP size and policy: time coefficients and token capacities) and
 runs them in order.
+
+Under sharded model state (``CostModel.state_sharding``: ZeRO-3) every micro-batch issues world
+collectives, and the plan is cut into rounds with the same count on every rank (:mod:`.rounds`):
+the phases above plan as usual, every micro-batch's fixed cost holding the round's all-gathers
+and reduce-scatters, then :func:`.rounds.assign_rounds` and :func:`.rounds.balance_rounds` lay the
+micro-batches out in rounds, and the baselines' plans are compared laid out the same way.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ from .placement import place
 from .plan import Schedule
 from .plan_tables import PlanTables
 from .planning_state import PlanningError, PlanState
+from .rounds import assign_rounds, balance_rounds
 
 __all__ = ["Planner", "PlannerConfig", "PlanningError", "plan_step"]
 
@@ -126,6 +133,12 @@ class Planner(PlanTables):
         if not 0 < self.config.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.config.memory_fraction}")
         self.cost_model = cost_model
+        if cost_model.rounds and cost_model.optimizer_shards != world_size:
+            raise ValueError(
+                f"the cost model shards the model state over optimizer_shards={cost_model.optimizer_shards} ranks "
+                f"(state_sharding={cost_model.state_sharding.value!r}) but the planner plans for a world of "
+                f"{world_size}: dcp.shard_model shards over the world, so build the CostModel with "
+                f"optimizer_shards={world_size}")
         super().__init__(
             cost_model, world_size, memory_cap=self.config.memory_fraction * cost_model.hardware.memory_capacity,
             max_sp_size=self.config.max_sp_size, max_tokens_per_rank=self.config.max_tokens_per_rank,
@@ -173,6 +186,13 @@ class Planner(PlanTables):
             if collecting:
                 gc.enable()
 
+    def finish(self, schedule: Schedule, lengths: Sequence[int], keys: Sequence[float], dense_rows: bool = False) -> Schedule:
+        """The schedule as it runs: laid out in rounds under sharded model state (see the module
+        docstring), else as it is. ``dense_rows``: as :class:`PlanState`'s."""
+        if not self.cost_model.rounds:
+            return schedule
+        return balance_rounds(assign_rounds(schedule), self, lengths, keys, dense_rows=dense_rows)
+
     def lower_bound(self, lengths: Sequence[int], spans: Sequence[float] | None = None) -> float:
         """A makespan no schedule can beat: the larger of the average least work per rank and the
         longest sequence's least time (packing never makes a sequence cheaper than alone, bar the
@@ -203,7 +223,9 @@ class Planner(PlanTables):
             return (
                 f"the model state alone ({static / 1e9:.1f} GB of parameters, gradients, optimizer state and "
                 f"runtime reserve) exceeds the memory cap of {self.memory_cap / 1e9:.1f} GB, so no sequence fits; "
-                "shard the optimizer state (CostModel(optimizer_shards=world size) for ZeRO-1), or check the "
+                "shard the optimizer state (CostModel(optimizer_shards=world size) for ZeRO-1), shard the whole "
+                "state during the step (state_sharding='sharded', dcp.shard_model(model, reshard_after_forward=True)) "
+                "or also offload it to the host (state_sharding='sharded_offload'), or check the "
                 "cost model's hardware and memory_fraction"
             )
         # The group that holds the most is not always the largest one: a bigger group keeps more
