@@ -212,6 +212,7 @@ class Replayer:
         self.compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": inner, "check_ranks": False})
         self.make = packed_inputs(vocab, device)
         self.cache: dict[Key, Measured] = {}
+        self.failed: dict[Key, str] = {}
         self.cpu_clock = device.type == "cpu" and torch.get_num_threads() == 1
 
     @staticmethod
@@ -246,17 +247,29 @@ class Replayer:
 
         return step
 
+    def _runs(self, key: Key, step) -> bool:
+        """Run ``step``; a call the runtime cannot run is recorded in ``failed`` (its scheduler's
+        plan is then not replayed, and the table says so) instead of ending the run."""
+        try:
+            step()
+            return True
+        except Exception as error:  # noqa: BLE001 - any failure of the compiled call: reported
+            self.failed[key] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+            self.model.zero_grad(set_to_none=False)
+            print(f"  replay: {self.kind} call {key} failed: {self.failed[key]}", flush=True)
+            return False
+
     def measure(self, keys: set[Key]) -> None:
         from tqdm.auto import tqdm
 
-        todo = sorted(keys - set(self.cache), key=lambda k: (k[1], k[2].value, k[0]))
+        todo = sorted(keys - set(self.cache) - set(self.failed), key=lambda k: (k[1], k[2].value, k[0]))
         if not todo:
             return
         warmed = set()
         for key in todo:  # one call per compiled graph compiles it
-            if self.compile_key(key) not in warmed:
-                self._step(key)()
+            if self.compile_key(key) not in warmed and self._runs(key, self._step(key)):
                 warmed.add(self.compile_key(key))
+        todo = [key for key in todo if key not in self.failed]
         clocks: dict[Key, list[float]] = {key: [] for key in todo}
         walls: dict[Key, list[float]] = {key: [] for key in todo}
         rng = random.Random(len(self.cache))
@@ -266,17 +279,21 @@ class Replayer:
                 order = list(todo)
                 rng.shuffle(order)
                 for key in order:
+                    bar.update()
+                    if key in self.failed:
+                        continue
                     step = self._step(key)
                     synchronize(self.device)
                     cpu0, wall0 = time.process_time(), time.perf_counter()
-                    step()
+                    if not self._runs(key, step):
+                        continue
                     synchronize(self.device)
                     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
                     clocks[key].append(cpu if self.cpu_clock else wall)
                     walls[key].append(wall)
-                    bar.update()
         for key in todo:
-            self.cache[key] = Measured(statistics.median(clocks[key]), statistics.median(walls[key]))
+            if key not in self.failed:
+                self.cache[key] = Measured(statistics.median(clocks[key]), statistics.median(walls[key]))
 
     def seconds(self, clips: Sequence[Any], sp_size: int, recompute: dcp.RecomputePolicy, wall: bool = False) -> float:
         """A micro-batch's measured compute: the sum of its calls'."""
@@ -300,6 +317,7 @@ class DiTReplayer(Replayer):
         self.compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": inner, "check_ranks": False})
         self.make = make
         self.cache: dict[Key, Measured] = {}
+        self.failed: dict[Key, str] = {}
         self.cpu_clock = device.type == "cpu" and torch.get_num_threads() == 1
 
     @classmethod
@@ -538,6 +556,9 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any], progress: Progress)
                   "and DCP-inter plan as published (priced on the cost model, which prices a micro-batch as one packed "
                   "call, as 'predicted' does for every family); their micro-batches of mixed shapes are replayed one "
                   "call per shape, as every video micro-batch is.", ""]
+    if meta.get("not_replayed"):
+        lines += ["Plans not replayed (a call the runtime could not run; that family's cell reads 'cannot train it'):", "",
+                  *[f"- {line}" for line in meta["not_replayed"]], ""]
     lines += [" and ".join(timed) + f" timed; run time {meta['elapsed']:.0f} s.", ""]
     lines += [kinds[kind]["profile"] for kind in ("text", "video") if kind in kinds]
     return "\n".join(lines) + "\n"
@@ -593,6 +614,7 @@ def merge(paths: Sequence[str], out: Path, tag: str, setup: dict[str, Any]) -> i
     meta["micro_batches"] = sum(info["timed"] for info in kinds.values())
     meta["elapsed"] = sum(part["elapsed"] for part in parts)
     meta["process_links"] = links
+    meta["not_replayed"] = [line for part in parts for line in part.get("not_replayed", [])]
     meta["links"] = "; ".join(f"process {i + 1}: {link}" for i, link in enumerate(links))
     write_atomic(out / f"replay_{tag}.md", report(rows, meta, Progress(0)))
     write_atomic(out / f"replay_{tag}.json", json.dumps({**meta, "rows": rows}, indent=1, default=str))
@@ -760,6 +782,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {world} ranks, {name}, seed {seed}: {len(keys - set(replayer.cache))} new {kind} calls to time "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
             replayer.measure(keys)
+            for group in (families, rungs):
+                for label, contender in list(group.items()):
+                    failed = sorted({key for schedule, s in zip(contender.schedules, steps)
+                                     for key in keys_of(schedule, clips_of(s), replayer) if key in replayer.failed}, key=str)
+                    if failed:
+                        del group[label]
+                        meta.setdefault("not_replayed", []).append(
+                            f"{world} ranks, {name}, seed {seed}: {label} ({contender.scheduler.name}) not replayed: "
+                            f"{len(failed)} of its calls fail on this runtime, e.g. {failed[0]}: {replayer.failed[failed[0]]}")
+                        print(f"  {meta['not_replayed'][-1]}", flush=True)
             kinds[kind]["timed"] = len(replayer.cache)
             meta["micro_batches"] = sum(info["timed"] for info in kinds.values())
             rows += block_rows(world, name, seed, steps, families, False, replayer, world_model)
