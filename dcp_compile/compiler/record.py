@@ -35,6 +35,8 @@ class VariantRecord:
     gathers: list[Any] = field(default_factory=list)
     local_fallbacks: list[str] = field(default_factory=list)  # sharded ops that ran on gathered inputs
     rewrites: list[str] = field(default_factory=list)
+    tiled_losses: list[str] = field(default_factory=list)  # losses computed over chunks of tokens (passes/tiled_loss)
+    untiled_losses: list[tuple[str, str]] = field(default_factory=list)  # (loss, why it was left as it is)
     # (site, layout, padded head slots) per SDPA site: "ring x2 over Ulysses x2 (...)" or "Ulysses x4 (...)"
     attention_layouts: list[tuple[str, str, int]] = field(default_factory=list)
     collectives: dict[str, int] = field(default_factory=dict)
@@ -150,6 +152,10 @@ class GraphRecord:
                 lines.append(f"    attention {site}: {layout}")
             for rewrite in variant.rewrites:
                 lines.append(f"    rewrite {rewrite}")
+            for tiled in variant.tiled_losses:
+                lines.append(f"    tiled loss {tiled}")
+            for loss, why in variant.untiled_losses:
+                lines.append(f"    loss {loss} not tiled: {why}")
             for gather in variant.gathers:
                 lines.append(f"    {gather}")
             for fallback in variant.local_fallbacks:

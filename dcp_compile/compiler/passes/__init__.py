@@ -14,6 +14,7 @@ from dcp_compile.compiler.passes.pipeline import GraphInput, GraphPass, Product,
 from dcp_compile.compiler.passes.recompute import recompute_pass
 from dcp_compile.compiler.passes.sequence_dims import sequence_dims_pass
 from dcp_compile.compiler.passes.shard_sequence import shard_sequence_pass
+from dcp_compile.compiler.passes.tiled_loss import tile_loss_pass
 from dcp_compile.compiler.passes.use_varlen_attention import use_varlen_attention_pass
 from dcp_compile.compiler.variant_selection import active_sequence_boundaries
 
@@ -39,6 +40,8 @@ VARIANT_PASSES: tuple[GraphPass, ...] = (
         adds_input=GraphInput("dcp_cu_seqlens", active_sequence_boundaries),
         adds_input_when=lambda ctx: ctx.packed,
     ),
+    # After the sharding (the loss is a shard-local sum by then), before the recompute tags.
+    GraphPass(tile_loss_pass, runs_without_sharding=True),
     GraphPass(recompute_pass, runs_without_sharding=True),
 )
 
