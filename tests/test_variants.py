@@ -194,8 +194,12 @@ def test_attention_recompute_saves_less_than_none(recompute_records):
     saved = {policy: record.saved_activation_bytes for policy, record in recompute_records.items()}
     assert saved["none"] > saved["attention"] > saved["full"], saved
     # what it gives up per attention: SDPA's output and logsumexp, [B, H/P, S, D + 1] floats
-    # (batch 2, 2 local heads, 48 tokens, head dim 8, 2 attentions)
-    assert saved["none"] - saved["attention"] == 2 * (2 * 2 * 48 * (8 + 1) * 4), saved
+    # (batch 2, 2 local heads, 48 tokens, head dim 8, 2 attentions); besides, ``attention`` tiles
+    # the loss (dcp_compile.tiled_loss), which drops the head's fp32 log-probabilities, at most
+    # [48 local tokens, vocabulary 128] floats (tests/passes/test_tiled_loss.py checks which)
+    attention_sites = 2 * (2 * 2 * 48 * (8 + 1) * 4)
+    log_probabilities = 48 * 128 * 4
+    assert attention_sites < saved["none"] - saved["attention"] <= attention_sites + log_probabilities + 8, saved
     # the generator state that lets recomputation repeat any dropout draw, and nothing else
     rng = {policy: record.saved_rng_state_bytes for policy, record in recompute_records.items()}
     assert rng["none"] == 0 and rng["attention"] == 2 * torch.get_rng_state().numel(), rng

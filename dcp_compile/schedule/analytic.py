@@ -299,9 +299,14 @@ def memory_coefficients(
     The model state is :func:`model_state_bytes` under ``state_sharding``: whole parameters and
     gradients and ``1 / optimizer_shards`` of the optimizer state (``replicated``), or all of it
     divided over ``optimizer_shards`` ranks plus what is unsharded while the micro-batch runs
-    (``sharded``), or only the latter (``sharded_offload``)."""
+    (``sharded``), or only the latter (``sharded_offload``).
+
+    A language model's tiled loss (every policy but ``none``, :mod:`dcp_compile.tiled_loss`) holds
+    one chunk's logits and the fp32 tensors made from them at a time, whatever the length: a fixed
+    amount (:meth:`ModelProfile.loss_chunk_bytes`), added to the fixed bytes."""
     recompute = RecomputePolicy.parse(recompute)
     static = model_state_bytes(profile, state_sharding, optimizer_shards) + reserved_bytes
+    static += profile.loss_chunk_bytes(recompute)
     saved = profile.saved_activation_bytes_per_token(recompute, sp_size, collectives_recomputed)
     working = profile.backward_working_bytes_per_token(recompute, sp_size, collectives_recomputed)
     return MemoryCoefficients(static, (saved + working) / sp_size)

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from dcp_compile.attention_layout import AttentionLayout, choose_attention_layout
+from dcp_compile.tiled_loss import LOSS_CHUNK_TOKENS, loss_chunk_bytes, tiles_loss
 from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, resends_collectives
 
 from .presets import FP32_BYTES, config_shape, preset_shape, transformer_fields
@@ -57,6 +58,10 @@ class ModelProfile:
         num_cross_attention_layers: attentions whose queries are the sharded tokens and whose keys
             and values are a per-sample context (a DiT's text): under sequence parallelism each
             sends its queries and its output through all-to-alls too.
+        vocab_size / loss_chunk_tokens: a language model's vocabulary and the chunk (tokens) of its
+            tiled loss, which the compiler builds under every policy but ``none``
+            (:mod:`dcp_compile.tiled_loss`); ``loss_chunk_tokens=0`` (the default of a profile not
+            built from a transformer's shape): the loss is priced untiled.
     """
 
     name: str
@@ -82,6 +87,8 @@ class ModelProfile:
     gated_mlp: bool = False
     recomputed_bytes_per_token: dict[str, tuple[float, float]] = field(default_factory=dict)
     num_cross_attention_layers: int = 0
+    vocab_size: int = 0
+    loss_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         # `block` keeps and recomputes at SP 1 what `full` does (it differs only in the all-to-alls):
@@ -114,6 +121,24 @@ class ModelProfile:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    # ------------------------------------------------------------------ tiled loss
+    def tiles_loss(self, recompute: RecomputePolicy | str) -> bool:
+        """Whether the compiler tiles this model's loss under ``recompute``: a language model
+        (``vocab_size``) priced with a chunk, under every policy but ``none``."""
+        return self.vocab_size > 0 and self.loss_chunk_tokens > 0 and tiles_loss(recompute)
+
+    def loss_chunk_bytes(self, recompute: RecomputePolicy | str, tokens_per_rank: float | None = None) -> float:
+        """Bytes the tiled loss holds at once, whatever the micro-batch's length: one chunk's logits
+        and the fp32 tensors made from them (:func:`dcp_compile.tiled_loss.loss_chunk_bytes`); 0
+        where the loss is not tiled. ``tokens_per_rank``: a rank's share, where it is shorter than
+        a chunk (the planner prices the whole chunk: a fixed amount, the most a share holds)."""
+        if not self.tiles_loss(recompute):
+            return 0.0
+        chunk = self.loss_chunk_tokens
+        if tokens_per_rank is not None:
+            chunk = min(chunk, max(0, int(-(-tokens_per_rank // 1))))
+        return float(loss_chunk_bytes(chunk, self.vocab_size, self.activation_dtype_bytes))
 
     def attention_layout(self, sp_size: int) -> AttentionLayout:
         """How the compiler splits a self-attention over ``sp_size`` ranks (Ulysses, ring or both)."""
@@ -256,7 +281,10 @@ class ModelProfile:
           back (received and sent);
         * the head: under ``selective``, ``full`` and ``block`` what it rebuilds (under ``full`` and
           ``block`` with the last block: the compiler recomputes the two from the last block's
-          input) and the loss's gradients (``output_bytes_per_token``);
+          input) and the loss's gradients (``output_bytes_per_token``). Where the loss is tiled
+          (:meth:`tiles_loss`) neither holds a vocabulary-wide tensor per token: the log-probabilities
+          are not rebuilt and the loss's gradients exist a chunk at a time (:meth:`loss_chunk_bytes`,
+          a fixed amount priced with the model state);
 
         plus the residual stream's gradient, alive through every layer's backward. ``block``
         rebuilds what ``full`` does and the all-to-alls' outputs that ``full`` keeps (each block
@@ -304,11 +332,14 @@ class ModelProfile:
         attention_phase = attention_rebuilt + attention_gradients
         mlp_phase = mlp_rebuilt + mlp_gradients + (block_rebuilt if whole_block else 0.0)
         head_rebuilt = 0.0
+        tiled = self.tiles_loss(recompute)
         if recompute in (RecomputePolicy.SELECTIVE, RecomputePolicy.FULL, RecomputePolicy.BLOCK):
             head_rebuilt = self.head_activation_bytes_per_token[RecomputePolicy.NONE]
+            if tiled:  # the tiled loss rebuilds the final norm's output, not the log-probabilities
+                head_rebuilt -= self.vocab_size * FP32_BYTES
         if whole_block:
             head_rebuilt += block_rebuilt + mlp_rebuilt
-        head_phase = head_rebuilt + self.output_bytes_per_token
+        head_phase = head_rebuilt + (0.0 if tiled else self.output_bytes_per_token)
         residual_gradient = dtype * h
         return float(residual_gradient + max(attention_phase, mlp_phase, head_phase))
 
@@ -349,6 +380,7 @@ class ModelProfile:
         gradient_dtype_bytes: int = 4,
         optimizer_bytes_per_parameter: int = 12,
         extra_parameters: int = 0,
+        loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
     ) -> "ModelProfile":
         """A profile from the shape of a standard pre-norm transformer.
 
@@ -358,7 +390,9 @@ class ModelProfile:
         context of that many tokens (a DiT's text). ``rotary``: the model builds one RoPE table
         (cos, sin) outside its blocks and hands it to every block, so ``full`` keeps it as a
         block input. ``adaptive_norm``: adaLN modulation and gates (a DiT): the modulated norms'
-        outputs and the gated branches' outputs are kept too.
+        outputs and the gated branches' outputs are kept too. ``loss_chunk_tokens``: the chunk of the tiled loss the
+        compiler builds for a language model under every policy but ``none`` (the backend's
+        ``loss_chunk``; 0: price the loss untiled).
         """
         return cls(**transformer_fields(
             name, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -366,7 +400,7 @@ class ModelProfile:
             cross_attention_tokens=cross_attention_tokens, output_channels=output_channels, rotary=rotary,
             adaptive_norm=adaptive_norm, dtype_bytes=dtype_bytes,
             gradient_dtype_bytes=gradient_dtype_bytes, optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
-            extra_parameters=extra_parameters,
+            extra_parameters=extra_parameters, loss_chunk_tokens=loss_chunk_tokens,
         ))
 
     @classmethod

@@ -33,6 +33,15 @@ Under sequence parallelism the all-to-all outputs are kept under every policy bu
 :meth:`ModelProfile.saved_activation_bytes_per_token`). What lies outside the blocks (final norm,
 output head, loss, a shared RoPE table) is priced per policy in ``head_activation_bytes_per_token``.
 
+A language model's loss is tiled under every policy but ``none`` (:mod:`dcp_compile.tiled_loss`,
+the compiler's ``tile_loss`` pass): the output projection and cross-entropy run over chunks of
+``loss_chunk_tokens`` tokens and backward recomputes each chunk's logits. Under those policies the
+head keeps no fp32 log-probabilities and its backward holds no ``[tokens, vocab]`` gradient: what
+one chunk holds is a fixed amount (:func:`dcp_compile.tiled_loss.loss_chunk_bytes`, in the
+micro-batch's fixed bytes), and the forward work backward runs again includes one output-projection
+matmul under ``attention`` and ``selective`` (``full`` and ``block`` recompute the head anyway).
+``loss_chunk_tokens=0`` prices a loss the compiler does not tile (``disable_passes=["tile_loss"]``).
+
 Besides what is kept, backward holds a working set (:func:`layer_recomputed_bytes` and
 :meth:`ModelProfile.backward_working_bytes_per_token`): what a layer's backward recomputes (per
 sub-block: the attention's just before the attention's backward, the MLP's before the MLP's; under
@@ -47,6 +56,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from dcp_compile.tiled_loss import LOSS_CHUNK_TOKENS
 from dcp_compile.variant import RecomputePolicy
 
 FP32_BYTES = 4  # norm statistics, attention logsumexp and the loss run in fp32 whatever the dtype
@@ -72,6 +82,7 @@ def transformer_fields(
     gradient_dtype_bytes: int = 4,
     optimizer_bytes_per_parameter: int = 12,
     extra_parameters: int = 0,
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
 ) -> dict[str, Any]:
     """The :class:`ModelProfile` fields of a standard pre-norm transformer (see the module docstring)."""
     kv_heads = num_kv_heads or num_heads
@@ -98,9 +109,10 @@ def transformer_fields(
                  cross_attention=bool(cross_attention_tokens), dtype_bytes=dtype_bytes, adaptive_norm=adaptive_norm)
     activation = layer_activation_bytes(**shape)
     recomputed = layer_recomputed_bytes(**shape)
+    tiled = bool(vocab_size) and loss_chunk_tokens > 0
     head = head_activation_bytes(
         hidden_size=h, vocab_size=vocab_size, output_channels=output_channels, dtype_bytes=dtype_bytes,
-        rotary_dim=head_dim if rotary else 0, adaptive_norm=adaptive_norm,
+        rotary_dim=head_dim if rotary else 0, adaptive_norm=adaptive_norm, tiled=tiled,
     )
     # Forward work backward runs again, as fractions of (matmul FLOPs, attention FLOPs, memory-bound
     # traffic). Matmuls: the q/k/v projections under ``attention`` and ``selective`` (the output
@@ -110,10 +122,13 @@ def transformer_fields(
     qkv_linear_share = (qkv_params + (h * h if cross_attention_tokens else 0)) / block_params
     none_elements = activation["none"] / dtype_bytes
     qkv_memory_share = min(1.0, (h + 2 * kv_width) / none_elements)
+    # The tiled loss recomputes the output projection in backward (one matmul of the head) under
+    # `attention` and `selective`; `full` and `block` recompute it anyway.
+    head_share = 2 * head_params / linear_flops if tiled else 0.0
     recompute = {
         "none": (0.0, 0.0, 0.0),
-        "attention": (qkv_linear_share, 1.0, qkv_memory_share),
-        "selective": (qkv_linear_share, 1.0, 1.0),
+        "attention": (qkv_linear_share + head_share, 1.0, qkv_memory_share),
+        "selective": (qkv_linear_share + head_share, 1.0, 1.0),
         "full": (1.0, 1.0, 1.0),
         "block": (1.0, 1.0, 1.0),  # the same forward again; what differs is communication (analytic.py)
     }
@@ -141,6 +156,8 @@ def transformer_fields(
         gated_mlp=gated_mlp,
         recomputed_bytes_per_token=recomputed,
         num_cross_attention_layers=num_layers if cross_attention_tokens else 0,
+        vocab_size=int(vocab_size),
+        loss_chunk_tokens=int(loss_chunk_tokens) if tiled else 0,
     )
 
 
@@ -247,7 +264,7 @@ def layer_recomputed_bytes(
 
 def head_activation_bytes(
     *, hidden_size: int, vocab_size: int, output_channels: int, dtype_bytes: int, rotary_dim: int = 0,
-    adaptive_norm: bool = False,
+    adaptive_norm: bool = False, tiled: bool = False,
 ) -> dict[str, float]:
     """Bytes per token kept outside the blocks (final norm, output head, loss, a shared RoPE table), per policy.
 
@@ -259,6 +276,12 @@ def head_activation_bytes(
     block reads from outside: a RoPE table built once in the model, cos and sin of
     ``rotary_dim`` each per token (0: none). ``adaptive_norm``: the final norm's output is
     modulated, so ``none`` and ``attention`` keep it too.
+
+    ``tiled`` (a language model whose loss the compiler tiles under every policy but ``none``):
+    ``attention`` keeps the final norm's input, statistics and output (the tiled loss's input) and
+    the targets, no log-probabilities; ``selective`` keeps nothing of the head (no logits: the
+    tiled loss recomputes them, and the norm is recomputed from the last block's output, which
+    the layers' entries price), only the targets.
     """
     rotary_table = float(2 * rotary_dim * dtype_bytes)
     if not vocab_size and not output_channels:
@@ -272,10 +295,11 @@ def head_activation_bytes(
         loss_kept = output_channels * FP32_BYTES
         matmul_output = output_channels * dtype_bytes
     kept = (3 if adaptive_norm else 2) * h * dtype_bytes + 2 * FP32_BYTES + loss_kept
+    tiled = tiled and bool(vocab_size)
     return {
         RecomputePolicy.NONE.value: float(kept),
-        RecomputePolicy.ATTENTION.value: float(kept),
-        RecomputePolicy.SELECTIVE.value: float(matmul_output),
+        RecomputePolicy.ATTENTION.value: float(kept - vocab_size * FP32_BYTES if tiled else kept),
+        RecomputePolicy.SELECTIVE.value: float(TARGET_BYTES if tiled else matmul_output),
         RecomputePolicy.FULL.value: rotary_table,
         RecomputePolicy.BLOCK.value: rotary_table,
     }

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dcp_compile.compiler import collectives  # noqa: F401  (registers dcp::replicated_input)
 from dcp_compile.compiler.graph_capture import splice_traced
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.kernels import tiled_cross_entropy as _tiled  # noqa: F401  (registers dcp::tiled_cross_entropy)
@@ -62,6 +63,7 @@ RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
 COPIES = {aten.contiguous.default, aten.clone.default, aten.alias.default}
 MEAN, SUM = 1, 2
+REPLICATED_INPUT = torch.ops.dcp.replicated_input.default  # shard_sequence's wrap of a differentiable input
 
 
 @dataclass(frozen=True)
@@ -169,8 +171,11 @@ def match_loss(loss: fx.Node) -> LossMatch:
             upcast = True
         chain.insert(0, node)
         node = node.args[0]
-    if isinstance(node, fx.Node) and node.op == "placeholder":
-        raise NotTiled(f"the logits are an input of this graph ({node.name}): the output projection ran in an "
+    source = node
+    while isinstance(source, fx.Node) and source.target is REPLICATED_INPUT:  # a graph input at SP > 1
+        source = source.args[0]
+    if isinstance(source, fx.Node) and source.op == "placeholder":
+        raise NotTiled(f"the logits are an input of this graph ({source.name}): the output projection ran in an "
                        "earlier graph (a graph break between the head and the loss)")
     if not (isinstance(node, fx.Node) and node.target is aten.linear.default):
         raise NotTiled("the logits are not a linear output projection of the hidden states "
