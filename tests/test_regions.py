@@ -52,11 +52,14 @@ def _parity_worker(rank, world_size, inner, rtol, atol):
 
 def _check(results):
     for compiles, regions in results:
-        # The recompute variants of an SP size compile nothing: recomputation is applied around the
-        # regions the SP size's first variant compiled.
-        assert compiles["sp=2/recompute=full"] == compiles["sp=1/recompute=none"]
-        assert compiles["sp=2/recompute=attention"] == compiles["sp=1/recompute=none"]
-        assert compiles["sp=1/recompute=full"] == compiles["sp=1/recompute=none"]
+        # The recompute variants of an SP size compile nothing but the tiled loss's head (every
+        # policy but none tiles the loss, dcp_compile.tiled_loss: new code, at most its two regions
+        # around the loss's all-reduce), once per SP size and shared by every policy that tiles:
+        # recomputation is applied around the regions the SP size's first variant compiled.
+        assert 0 < compiles["sp=2/recompute=full"] - compiles["sp=1/recompute=none"] <= 2
+        assert compiles["sp=2/recompute=attention"] == compiles["sp=2/recompute=full"]
+        assert 0 < compiles["sp=1/recompute=attention"] - compiles["sp=2/recompute=attention"] <= 2
+        assert compiles["sp=1/recompute=full"] == compiles["sp=1/recompute=attention"]
         # SP 1 shares the transformer block's region with SP 2: fewer new compiles than SP 2 made.
         assert compiles["sp=1/recompute=none"] - compiles["sp=2/recompute=none"] < compiles["sp=2/recompute=none"]
         assert "compiled region" in regions["sp=2/recompute=none"]

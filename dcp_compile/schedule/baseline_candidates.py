@@ -101,7 +101,10 @@ def best_of_baselines(planner: "Planner", schedule: Schedule, lengths: Sequence[
             scheduler = build()
             if isinstance(scheduler, DynamicCP):
                 level_of = {size: j for j, size in enumerate(planner.sizes)}
-                sizes_of = {shape: level_of[gpus_needed(shape[0], scheduler.max_seqlen_per_rank)] for shape in distinct}
+                needed = {shape: gpus_needed(shape[0], scheduler.max_seqlen_per_rank) for shape in distinct}
+                if any(size not in level_of for size in needed.values()):
+                    continue  # a CP size the planner does not build (heads or world it cannot split over)
+                sizes_of = {shape: level_of[size] for shape, size in needed.items()}
                 policy = [RECOMPUTE_POLICIES.index(scheduler.policy)]
                 if _makespan_bound(planner, sizes_of, distinct, policy, tokens) >= best_makespan - EPSILON:
                     continue
