@@ -63,6 +63,7 @@
 #   GPU_CHECK_PROFILE_INNER  profile's inner compiler (aot_eager | inductor | eager; default aot_eager)
 #   GPU_CHECK_REPLAY_INNER   replay's --inner (unset: replay.py's default);  GPU_CHECK_REPLAY_ARGS more arguments
 #   GPU_CHECK_DIT_ARGS     arguments for dit_inductor_step.py instead of "--layers 2 --repeats 3"
+#   GPU_CHECK_KERNELS_ARGS extra arguments for kernel_benchmarks.py (e.g. "--wall-clock-repeats 40")
 # Each step also gets GPU_CHECK_STEP_BUDGET_S (its limit in seconds) in its environment.
 #
 # On an offline machine where `pip install -e .` cannot run, bring this checkout's dcp_compile.egg-info
@@ -156,6 +157,8 @@ command_of() {  # name, limit: sets CMD (empty with SKIP_REASON set when the ste
     kernels_bench)
       CMD=(python benchmarks/kernel_benchmarks.py --out-dir "$OUT_DIR")
       if [ "$MODE" = dry ]; then CMD+=(--tiny); elif [ "$BENCH" = quick ]; then CMD+=(--quick); fi
+      # shellcheck disable=SC2206  # word splitting wanted: extra arguments
+      CMD+=(${GPU_CHECK_KERNELS_ARGS:-})
       ;;
     varlen_choice_tests)
       local selection=cuda; [ "$MODE" = dry ] && selection="not cuda"

@@ -237,11 +237,12 @@ def peak_tflops(device_name: str, override: Optional[float]) -> float:
 
 # Set by ``--tiny``: time with the wall clock (the dry run on a CPU, where do_bench has no device to time).
 _WALL_CLOCK = False
+_WALL_CLOCK_REPEATS = 2  # --wall-clock-repeats: more makes a dry run last (tests of gpu_check.sh's time limits)
 
 
 def _bench_ms(fn: Callable[[], Any], grad_to_none: Optional[Sequence[torch.Tensor]] = None) -> float:
     if _WALL_CLOCK:
-        return _wall_clock_ms(fn, grad_to_none)
+        return _wall_clock_ms(fn, grad_to_none, _WALL_CLOCK_REPEATS)
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
@@ -617,12 +618,15 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true",
                         help="the GPU path on the CPU at toy shapes, interpreted Triton, a wall-clock timer (the dry "
                              "run of gpu_check.sh: files labelled 'dry run on CPU', times meaningless)")
+    parser.add_argument("--wall-clock-repeats", type=int, default=2,
+                        help="--tiny's calls per timing after the warm-up (default 2)")
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    global _WALL_CLOCK
+    global _WALL_CLOCK, _WALL_CLOCK_REPEATS
     args = parse_args(argv)
+    _WALL_CLOCK_REPEATS = max(1, args.wall_clock_repeats)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not triton_available():
         print("triton is not installed: the dcp kernels run their torch references only, nothing to "

@@ -167,11 +167,14 @@ def test_an_uninterrupted_run_says_complete(tmp_path: Path) -> None:
 
 
 def test_a_step_past_its_budget_is_stopped_and_its_tables_say_partial(tmp_path: Path) -> None:
-    """The kernel benchmark's dry run (about 20 s of cases) under a 10 s budget: gpu_check.sh stops it with
-    SIGINT, the chooser's table says how far it got, and the summary says the step timed out."""
+    """The kernel benchmark's dry run, made to last (40 timed calls per case: over a minute, where the
+    plain dry run takes 5-20 s, too close to any budget on an idle machine) under a 10 s budget:
+    gpu_check.sh stops it with SIGINT, the chooser's table says how far it got, and the summary says
+    the step timed out."""
     out = tmp_path / "out"
     env = _clean_env(OUT=str(out), GPU_CHECK_REPLAY="no", GPU_CHECK_PROFILE="no", GPU_CHECK_SINGLE="no",
-                     GPU_CHECK_DIT="no", GPU_CHECK_BUDGET_KERNELS_BENCH="10", GPU_CHECK_MIN_STEP="5")
+                     GPU_CHECK_DIT="no", GPU_CHECK_BUDGET_KERNELS_BENCH="10", GPU_CHECK_MIN_STEP="5",
+                     GPU_CHECK_KERNELS_ARGS="--wall-clock-repeats 40")
     started = time.monotonic()
     run = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env, cwd=ROOT,
                          timeout=240)
