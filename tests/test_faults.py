@@ -171,7 +171,11 @@ def _sampler_before_init(rank: int, world_size: int, rendezvous_file: str) -> di
     sampler = DataCentricSampler(LENGTHS, tokens_per_step=2048, cost_model=_cost_model(), seed=0)
     # A fresh rendezvous (a file, not the old port, which a slower rank may still reach).
     dist.init_process_group("gloo", init_method=f"file://{rendezvous_file}", rank=rank, world_size=world_size)
-    return _outcome(lambda: next(iter(sampler)))
+    outcome = _outcome(lambda: next(iter(sampler)))
+    # Neither rank leaves before the other's gloo mesh is up: a rank that exits first closes its
+    # end while the other still connects ("Connection closed by peer", seen once in CI).
+    dist.barrier()
+    return outcome
 
 
 def test_sampler_built_before_init_process_group_refuses_to_iterate(tmp_path):
