@@ -25,7 +25,10 @@ TOKEN_COUNTS = (1024, 4096, 16384)
 
 
 class STDiTLikeBlock(nn.Module):
-    """Self-attention, cross-attention to a fixed text context, GELU MLP (pre-norm, residuals)."""
+    """Self-attention, cross-attention to a fixed text context, GELU MLP (pre-norm, residuals), with
+    STDiT3's adaLN-single modulation: ``t2i_modulate(norm(x), shift, scale)`` before each of the
+    self-attention and the MLP and ``gate *`` after each (shift, scale and gate from the timestep,
+    one row per sample: fixed bytes), which keeps four more ``[tokens, width]`` tensors per block."""
 
     def __init__(self, explicit_attention: bool = False) -> None:
         super().__init__()
@@ -34,6 +37,7 @@ class STDiTLikeBlock(nn.Module):
         self.norm1, self.qkv, self.proj = nn.LayerNorm(h), nn.Linear(h, 3 * h), nn.Linear(h, h)
         self.cross_q, self.cross_kv, self.cross_proj = nn.Linear(h, h), nn.Linear(h, 2 * h), nn.Linear(h, h)
         self.norm2, self.fc1, self.fc2 = nn.LayerNorm(h), nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+        self.scale_shift_table = nn.Parameter(torch.randn(6, h) / h**0.5)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch = q.shape[0]
@@ -44,12 +48,14 @@ class STDiTLikeBlock(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v)
         return out.transpose(1, 2).reshape(batch, -1, HIDDEN)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(self.norm1(x)).chunk(3, -1)
-        x = x + self.proj(self.attention(q, k, v))
+    def forward(self, x: torch.Tensor, context: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+            self.scale_shift_table[None] + timestep.reshape(x.shape[0], 6, -1)).chunk(6, dim=1)
+        q, k, v = self.qkv(self.norm1(x) * (1 + scale_msa) + shift_msa).chunk(3, -1)
+        x = x + gate_msa * self.proj(self.attention(q, k, v))
         k, v = self.cross_kv(context).chunk(2, -1)
         x = x + self.cross_proj(self.attention(self.cross_q(x), k, v))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return x + gate_mlp * self.fc2(F.gelu(self.fc1(self.norm2(x) * (1 + scale_mlp) + shift_mlp)))
 
 
 def trace(tokens: int, block_checkpointed: bool, explicit_attention: bool = False) -> tuple[int, int]:
@@ -63,6 +69,7 @@ def trace(tokens: int, block_checkpointed: bool, explicit_attention: bool = Fals
             torch.set_default_dtype(previous)
         x = torch.randn(1, tokens, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
         context = torch.randn(1, CONTEXT, HIDDEN, dtype=torch.bfloat16)
+        timestep = torch.randn(1, 6 * HIDDEN, dtype=torch.bfloat16)  # the embedded timestep, per sample
         kept: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -72,9 +79,9 @@ def trace(tokens: int, block_checkpointed: bool, explicit_attention: bool = Fals
         counter = FlopCounterMode(display=False)
         with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             if block_checkpointed:
-                checkpoint(block, x, context, use_reentrant=False)
+                checkpoint(block, x, context, timestep, use_reentrant=False)
             else:
-                block(x, context)
+                block(x, context, timestep)
         return sum(kept.values()), counter.get_total_flops()
 
 
@@ -96,8 +103,8 @@ def test_saved_bytes_per_token_match_the_profile(traces, block_checkpointed: boo
 
 def test_block_checkpointing_keeps_only_the_block_input(traces) -> None:
     for n in TOKEN_COUNTS:
-        # bf16 inputs: the tokens and the (fixed-size) text context, nothing else
-        assert traces[(n, True)][0] == (n + CONTEXT) * HIDDEN * 2
+        # bf16 inputs: the tokens, the (fixed-size) text context and timestep, nothing else
+        assert traces[(n, True)][0] == (n + CONTEXT + 6) * HIDDEN * 2
         assert traces[(n, False)][0] > 20 * traces[(n, True)][0]
 
 

@@ -20,6 +20,7 @@ import dcp_compile as dcp
 from dcp_compile.schedule.analytic import memory_coefficients
 from dcp_compile.schedule.hardware import Hardware
 from dcp_compile.schedule.model_profile import ModelProfile
+from dcp_compile.schedule.presets import preset_shape
 from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, Variant
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,6 +139,7 @@ def ring_saved_bytes(heads: int, kv_heads: int, sp_size: int, length: int) -> di
     pytest.param(3, 3, 2, marks=pytest.mark.slow),  # ring x2
     pytest.param(4, 2, 8, marks=pytest.mark.slow),  # ring x4 over Ulysses x2, GQA
 ])
+@pytest.mark.slow
 def test_ring_pricing_matches_the_compiled_variants(heads: int, kv_heads: int, sp_size: int) -> None:
     """What the compiled ring variants keep (``VariantRecord.saved_activation_bytes``: what the
     partitioner's forward returns for backward) against the price. ``none`` and ``attention``
@@ -224,13 +226,22 @@ def test_activation_gradients_of_a_layer_backward_are_priced() -> None:
     assert per_token - kept >= rebuilt + dtype * 2 * ffn
 
 
-def test_the_head_backward_holds_the_loss_gradients_under_full() -> None:
-    """Under ``full`` the compiler rebuilds the head with the last block, and the loss's backward
-    then holds two vocabulary-wide fp32 gradients (of the log-probabilities and of the logits)
-    on top: Llama-3-8B at SP 8 prices a rank's token at 329 KB instead of 238 KB."""
-    profile = ModelProfile.from_config("llama-3-8b")
-    working = profile.backward_working_bytes_per_token("full", 8)
-    assert working >= 2 * 128256 * 4 + profile.head_activation_bytes_per_token["none"]
+def test_the_head_backward_holds_the_loss_gradients_under_full_unless_the_loss_is_tiled() -> None:
+    """Under ``full`` the compiler rebuilds the head with the last block. A loss left untiled
+    (``disable_passes=["tile_loss"]``, priced with ``loss_chunk_tokens=0``) then holds two
+    vocabulary-wide fp32 gradients (of the log-probabilities and of the logits) per token on top;
+    the tiled loss holds one chunk's, a fixed amount whatever the length (Llama-3-8B: 4,096 tokens
+    x 128,256 x (2 + 4 + 4) bytes, 5.3 GB), and nothing vocabulary-wide per token."""
+    shape = preset_shape("llama-3-8b")[1]
+    untiled = ModelProfile.transformer("llama-3-8b", **dict(shape, loss_chunk_tokens=0))
+    working = untiled.backward_working_bytes_per_token("full", 8)
+    assert working >= 2 * 128256 * 4 + untiled.head_activation_bytes_per_token["none"]
+    assert untiled.loss_chunk_bytes("full") == 0
+    tiled = ModelProfile.from_config("llama-3-8b")
+    assert tiled.backward_working_bytes_per_token("full", 8) < working - 2 * 128256 * 4
+    assert tiled.backward_working_bytes_per_token("full", 8) < 128256 * 4  # no vocabulary-wide tensor per token
+    assert tiled.loss_chunk_bytes("full") == 4096 * 128256 * (2 + 4 + 4)
+    assert tiled.loss_chunk_bytes("none") == 0  # none keeps the logits: priced per token, untiled
 
 
 # --------------------------------------------------------------------------- 4: device memory
@@ -269,3 +280,26 @@ def test_measured_peak_is_within_ten_percent_of_the_model(sp_size: int, policy: 
     row = bench.with_prediction(bench.run_point(spec, sp_size, policy, "aot_eager", timeout=600))
     assert row["measured"] > 32 * MiB, row  # activations dominate the step
     assert abs(row["error"]) <= 0.10, row
+
+
+def test_the_tiled_loss_holds_a_share_up_to_one_chunk_and_capacity_solves_both_sides() -> None:
+    """A rank's tiled loss holds its whole share of logits where the share is under a chunk and one
+    chunk beyond: short micro-batches are not charged a whole chunk (the demo's 600-token shares
+    against a 4,096-token chunk), long ones are charged no more than one."""
+    from dcp_compile.schedule.analytic import MemoryCoefficients
+
+    profile = ModelProfile.from_config("llama-3-8b")
+    sp = 8
+    chunk = profile.loss_chunk_bytes("full")
+    full = memory_coefficients(profile, sp, "full", optimizer_shards=sp)
+    untiled = ModelProfile.transformer("llama-3-8b", **dict(preset_shape("llama-3-8b")[1], loss_chunk_tokens=0))
+    assert full.capped_tokens == 4096 * sp
+    share = 1000  # tokens per rank, under a chunk
+    assert full.peak(share * sp) - MemoryCoefficients(full.fixed_bytes, full.bytes_per_token).peak(share * sp) == pytest.approx(
+        chunk * share / 4096)
+    for tokens in (4096 * sp, 100_000 * sp):  # a chunk and beyond: one chunk
+        assert full.peak(tokens) - MemoryCoefficients(full.fixed_bytes, full.bytes_per_token).peak(tokens) == pytest.approx(chunk)
+    assert memory_coefficients(untiled, sp, "full", optimizer_shards=sp).capped_bytes_per_token == 0
+    for cap in (full.peak(2000 * sp), full.peak(300_000)):  # a capacity under a chunk's tokens and one over
+        tokens = full.token_capacity(cap)
+        assert full.peak(tokens) <= cap < full.peak(tokens + 1)

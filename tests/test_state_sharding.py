@@ -48,6 +48,7 @@ def test_replicated_state_is_what_it_was() -> None:
         assert model.state_sharding is StateSharding.REPLICATED and not model.rounds
         expected = LLAMA.parameter_bytes + LLAMA.gradient_bytes + LLAMA.optimizer_bytes / world + model.reserved_bytes
         assert model.memory_coefficients(4, "full").fixed_bytes == pytest.approx(expected)
+        assert model.memory_coefficients(4, "none").fixed_bytes == pytest.approx(expected)
         assert model.state_round_seconds() == 0.0
 
 
@@ -251,8 +252,10 @@ def test_dearer_rounds_make_fewer_larger_micro_batches() -> None:
     assert slow_model.state_round_seconds() > 10 * llama(8, "sharded", TWO_PER_NODE).state_round_seconds()
     slow = Planner(slow_model, 8).plan(lengths)
     check_rounds(slow_model, slow, lengths, None, 8)
-    assert slow.rounds < fast.rounds, (slow.rounds, fast.rounds)  # 2 against 4 at this commit
-    assert len(slow.microbatches) < len(fast.microbatches)  # 16 against 30
+    assert slow.rounds < fast.rounds, (slow.rounds, fast.rounds)  # 1 against 2 at this commit
+    # 8 micro-batches each at this commit (16 against 30 before the loss was tiled, when a micro-batch
+    # held fewer tokens): the slow link's are at SP 1 in one round, the fast link's at SP 2 in two
+    assert len(slow.microbatches) <= len(fast.microbatches)
 
 
 def test_rounds_keep_long_micro_batches_together() -> None:

@@ -21,6 +21,8 @@ Model state (:class:`StateSharding`): where parameters, gradients and optimizer 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Sequence
@@ -195,14 +197,34 @@ def context_seconds_per_sequence(profile: "ModelProfile", hardware: Hardware, re
 
 @dataclass(frozen=True)
 class MemoryCoefficients:
-    """``peak_memory = fixed_bytes + bytes_per_token * tokens`` (tokens of the whole micro-batch,
-    already divided by the SP size inside ``bytes_per_token``)."""
+    """``peak_memory = fixed_bytes + bytes_per_token * tokens + capped_bytes_per_token *
+    min(tokens, capped_tokens)`` (tokens of the whole micro-batch, already divided by the SP size
+    inside the per-token terms). The capped term is what grows with the tokens up to a bound and
+    then stays: the tiled loss's chunk, which holds a rank's whole share up to one chunk."""
 
     fixed_bytes: float
     bytes_per_token: float
+    capped_bytes_per_token: float = 0.0
+    capped_tokens: float = 0.0
 
     def peak(self, tokens: float) -> float:
-        return self.fixed_bytes + self.bytes_per_token * tokens
+        return self.fixed_bytes + self.bytes_per_token * tokens + self.capped_bytes_per_token * min(tokens, self.capped_tokens)
+
+    def token_capacity(self, memory_cap: float) -> int:
+        """The most tokens whose :meth:`peak` is within ``memory_cap`` (0 where none fit)."""
+        room = memory_cap - self.fixed_bytes
+        if room <= 0:
+            return 0
+        tokens = room / (self.bytes_per_token + self.capped_bytes_per_token) if self.bytes_per_token + self.capped_bytes_per_token else math.inf
+        if tokens > self.capped_tokens and self.capped_bytes_per_token:
+            room -= self.capped_bytes_per_token * self.capped_tokens
+            tokens = room / self.bytes_per_token if self.bytes_per_token else math.inf
+        if tokens == math.inf:
+            raise ValueError("a micro-batch that costs no memory per token has no token capacity")
+        tokens = int(tokens)
+        while tokens > 0 and self.peak(tokens) > memory_cap:  # guard float rounding
+            tokens -= 1
+        return tokens
 
 
 class ScoreLayout(Enum):
@@ -302,11 +324,15 @@ def memory_coefficients(
     (``sharded``), or only the latter (``sharded_offload``).
 
     A language model's tiled loss (every policy but ``none``, :mod:`dcp_compile.tiled_loss`) holds
-    one chunk's logits and the fp32 tensors made from them at a time, whatever the length: a fixed
-    amount (:meth:`ModelProfile.loss_chunk_bytes`), added to the fixed bytes."""
+    one chunk's logits and the fp32 tensors made from them at a time: a rank's whole share where
+    it is shorter than a chunk, one chunk (:meth:`ModelProfile.loss_chunk_bytes`) whatever the
+    length beyond (the capped term of :class:`MemoryCoefficients`)."""
     recompute = RecomputePolicy.parse(recompute)
     static = model_state_bytes(profile, state_sharding, optimizer_shards) + reserved_bytes
-    static += profile.loss_chunk_bytes(recompute)
     saved = profile.saved_activation_bytes_per_token(recompute, sp_size, collectives_recomputed)
     working = profile.backward_working_bytes_per_token(recompute, sp_size, collectives_recomputed)
-    return MemoryCoefficients(static, (saved + working) / sp_size)
+    chunk_bytes = profile.loss_chunk_bytes(recompute)
+    if not chunk_bytes:
+        return MemoryCoefficients(static, (saved + working) / sp_size)
+    chunk_tokens = profile.loss_chunk_tokens * sp_size  # a micro-batch's tokens at which each share fills a chunk
+    return MemoryCoefficients(static, (saved + working) / sp_size, chunk_bytes / chunk_tokens, chunk_tokens)

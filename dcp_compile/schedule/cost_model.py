@@ -262,14 +262,7 @@ class CostModel:
 
     def token_capacity(self, sp_size: int, recompute: RecomputePolicy | str, memory_cap: float) -> int:
         """The most tokens one micro-batch on ``sp_size`` ranks may hold under ``memory_cap`` bytes."""
-        coefficients = self.memory_coefficients(sp_size, recompute)
-        room = memory_cap - coefficients.fixed_bytes
-        if room <= 0:
-            return 0
-        tokens = int(room // coefficients.bytes_per_token)
-        while tokens > 0 and coefficients.peak(tokens) > memory_cap:  # guard float rounding
-            tokens -= 1
-        return tokens
+        return self.memory_coefficients(sp_size, recompute).token_capacity(memory_cap)
 
     def fastest_feasible_recompute(self, tokens: int, sp_size: int, memory_cap: float) -> RecomputePolicy | None:
         """The fastest policy under which ``tokens`` fit on ``sp_size`` ranks, or None."""
@@ -371,5 +364,6 @@ def _memory_coefficients(model: CostModel, sp_size: int, recompute: RecomputePol
     if measured is None:
         return analytic
     # Model state (parameters, gradients, optimizer, runtime reserve) stays counted; the
-    # activations are what the allocator measured above it during the forward and backward.
+    # activations are what the allocator measured above it during the forward and backward (a
+    # tiled loss's chunk among them: the measured lengths' shares, extrapolated per token).
     return MemoryCoefficients(analytic.fixed_bytes + measured.fixed_bytes, measured.bytes_per_token)

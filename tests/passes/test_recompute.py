@@ -76,11 +76,19 @@ def tag(node: fx.Node):
     return node.meta.get("recompute") if node.meta.get("dcp_recompute_tag") else None
 
 
-@pytest.mark.parametrize("policy", [p.value for p in RECOMPUTE_POLICIES])
-def test_collectives_are_saved_under_every_policy(graphs, policy):
+@pytest.mark.parametrize("policy", [p.value for p in RECOMPUTE_POLICIES if p.value != "block"])
+def test_collectives_are_saved_under_every_policy_but_block(graphs, policy):
     collectives = [n for n in ops(graphs[policy]) if is_collective(n)]
     assert len(collectives) >= 2 * 4  # two attentions' all-to-alls (and their waits)
     assert {tag(n) for n in collectives} == {CheckpointPolicy.MUST_SAVE}
+
+
+def test_block_recomputes_the_collectives_inside_its_blocks_and_saves_the_others(graphs):
+    collectives = [n for n in ops(graphs["block"]) if is_collective(n)]
+    inside = [n for n in collectives if block_of(n) is not None]
+    assert len(inside) >= 2 * 4  # two attentions' all-to-alls (and their waits), re-sent in backward
+    assert {tag(n) for n in inside} == {CheckpointPolicy.MUST_RECOMPUTE}
+    assert {tag(n) for n in collectives if block_of(n) is None} <= {CheckpointPolicy.MUST_SAVE}
 
 
 def test_none_tags_nothing_else(graphs):
