@@ -24,23 +24,53 @@ def fake_world():
 
 
 # --- the CI time budget for slow cases ---------------------------------------------------------
-# The suite must stay inside CI's time (README.md: the test command). Cases marked slow run last, and only
-# while the session is inside DCP_TEST_BUDGET_S seconds (default 20 minutes, so the whole run ends inside 25); any left then are
+# The suite must stay inside CI's time (README.md: the test command; CI allows 25 minutes with the
+# install). Cases marked slow run last, shortest first, and each only where the session, at its
+# start, still has room for it within DCP_TEST_BUDGET_S seconds (default 22 minutes) by its duration
+# on a 2-core machine (tests/slow_test_durations.json; 120 s where unknown); any left out are
 # reported as skipped with that reason, never as passed. `pytest -m slow` runs them all.
+# DCP_TEST_DURATIONS_OUT=path writes the slow cases' durations of this run there (to refresh the file).
+import json
 import time
+from pathlib import Path
 
 _SESSION_START = time.monotonic()
-SLOW_BUDGET_S = float(os.environ.get("DCP_TEST_BUDGET_S", 20 * 60))
+SLOW_BUDGET_S = float(os.environ.get("DCP_TEST_BUDGET_S", 22 * 60))
+UNKNOWN_SLOW_DURATION_S = 120.0
+_DURATIONS_FILE = Path(__file__).with_name("slow_test_durations.json")
+_KNOWN_DURATIONS: dict[str, float] = json.loads(_DURATIONS_FILE.read_text()) if _DURATIONS_FILE.exists() else {}
+_MEASURED: dict[str, float] = {}
+
+
+def _is_slow(item) -> bool:
+    return item.get_closest_marker("slow") is not None
+
+
+def expected_duration(nodeid: str) -> float:
+    return _KNOWN_DURATIONS.get(nodeid, UNKNOWN_SLOW_DURATION_S)
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: slow ones last
+    # stable: quick cases first in their order, then the slow ones, shortest first
+    items.sort(key=lambda item: (_is_slow(item), expected_duration(item.nodeid) if _is_slow(item) else 0.0))
 
 
 def pytest_runtest_setup(item):
-    if item.get_closest_marker("slow") is None or item.config.getoption("-m", default=""):
+    if not _is_slow(item) or item.config.getoption("-m", default=""):
         return
     elapsed = time.monotonic() - _SESSION_START
-    if elapsed > SLOW_BUDGET_S:
-        pytest.skip(f"CI time budget: {elapsed / 60:.0f} min spent of DCP_TEST_BUDGET_S={SLOW_BUDGET_S:.0f} s; "
-                    "run `python -m pytest -m slow` for the slow cases")
+    expected = expected_duration(item.nodeid)
+    if elapsed + expected > SLOW_BUDGET_S:
+        pytest.skip(f"CI time budget: {elapsed / 60:.1f} min spent, this case takes about {expected:.0f} s, "
+                    f"DCP_TEST_BUDGET_S={SLOW_BUDGET_S:.0f} s; run `python -m pytest -m slow` for the slow cases")
+
+
+def pytest_runtest_logreport(report):
+    if "slow" in report.keywords and not report.skipped:  # setup (fixtures), call and teardown together
+        _MEASURED[report.nodeid] = round(_MEASURED.get(report.nodeid, 0.0) + report.duration, 1)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = os.environ.get("DCP_TEST_DURATIONS_OUT")
+    if out and _MEASURED:
+        Path(out).write_text(json.dumps(dict(sorted(_MEASURED.items())), indent=1) + "\n")

@@ -85,6 +85,7 @@ def test_gpt_and_llama_at_parity_on_two_ranks():
     run_block_parity(2, ["gpt", "hf_llama"], [12, 7])
 
 
+@pytest.mark.slow
 def test_gpt_and_llama_at_parity_on_four_ranks_uneven_and_shorter_than_sp():
     # 7 splits 2/2/2/1 and 3 splits 1/1/1/0: uneven chunks and an empty one; Llama's 2 KV heads at P=4.
     pytest.importorskip("transformers", reason="the Hugging Face Llama needs `pip install .[hf]`")
@@ -155,6 +156,7 @@ def fake_group():
         torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_regions_compile_block_whole_and_say_why(fake_group):
     """Regions apply recomputation around each region at run time; a block spans several regions,
     cut at the very all-to-alls ``block`` re-sends, so the variant is compiled whole, as

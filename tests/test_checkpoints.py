@@ -102,7 +102,7 @@ def train_rank(rank: int, world_size: int, directory: str, sharded: bool, resume
             "resumed_at": step - len(trained)}
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "fsdp2"])
+@pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["replicated", "fsdp2"])
 def test_a_resumed_run_continues_bitwise_like_an_uninterrupted_one(tmp_path: Path, sharded: bool) -> None:
     uninterrupted = run_in_process_world(train_rank, WORLD_SIZE, str(tmp_path), sharded, False, timeout=600)
     assert dcp.latest_checkpoint(tmp_path) == dcp.checkpoint_path(tmp_path, SAVED_AFTER)

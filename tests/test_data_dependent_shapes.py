@@ -85,6 +85,7 @@ def _worker(rank: int, world_size: int, lengths: tuple[int, ...]) -> list[dict]:
     return results
 
 
+@pytest.mark.slow
 def test_masked_write_between_attentions_compiles_sharded_at_parity():
     for per_length in run_in_process_world(_worker, 2, (12, 7), timeout=600):
         for result in per_length:

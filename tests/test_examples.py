@@ -54,6 +54,7 @@ def trained_steps(output: str) -> dict[int, str]:
     return {int(match.group(1)): match.group(2) for match in STEP_LINE.finditer(output)}
 
 
+@pytest.mark.slow
 def test_the_causal_lm_example_trains_shows_plans_and_resumes(tmp_path: Path) -> None:
     output = run_example("train_causal_lm.py", tmp_path, "--steps", "2", "--checkpoint-every", "2")
     first = trained_steps(output)
@@ -68,6 +69,7 @@ def test_the_causal_lm_example_trains_shows_plans_and_resumes(tmp_path: Path) ->
     assert sorted(resumed) == [3], f"--resume should continue at step 3, ran {sorted(resumed)}"
 
 
+@pytest.mark.slow
 def test_the_video_dit_example_trains_on_mixed_resolutions_and_shows_plans(tmp_path: Path) -> None:
     output = run_example("train_video_dit.py", tmp_path, "--steps", "3", "--checkpoint-every", "3")
     steps = trained_steps(output)

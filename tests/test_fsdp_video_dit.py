@@ -78,6 +78,7 @@ def _fsdp_step(rank: int, world_size: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_fsdp2_video_dit_gradients_equal_the_unsharded_model() -> None:
     results = run_in_process_world(_fsdp_step, 2, timeout=900)
     model = build_model(TINY)

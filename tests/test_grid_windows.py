@@ -59,6 +59,7 @@ def test_two_ranks_grid_convolutions():
     run_parity(2, ["grid_conv_image", "grid_conv_video"], [7, 4])
 
 
+@pytest.mark.slow
 def test_four_ranks_chunks_shorter_than_the_halo():
     # 3 rows of 3 tokens on 4 ranks: chunks 3/2/2/2, each window holds tokens of three ranks.
     run_parity(4, ["grid_conv_image", "grid_conv_video"], [3, 5])

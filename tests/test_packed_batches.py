@@ -137,6 +137,7 @@ def _huggingface_worker(rank, world_size):
     return variant.collectives.get("all_to_all_single", 0) - variant.output_gathers
 
 
+@pytest.mark.slow
 def test_huggingface_llama_packed_with_dcp_attention():
     pytest.importorskip("transformers", reason="needs `pip install .[hf]`")
     # Ulysses only, 2 attentions x (q, k, v, out): the packed-mask arithmetic Hugging Face would do on

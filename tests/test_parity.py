@@ -31,6 +31,7 @@ def test_two_ranks_every_model():
     run_parity(2, CORE_CASES, [12, 7])
 
 
+@pytest.mark.slow
 def test_four_ranks_uneven_and_shorter_than_sp():
     # 7 splits 2/2/2/1 and 3 splits 1/1/1/0: uneven chunks and an empty one; GQA: 2 KV heads at P=4.
     run_parity(4, ["gpt", "gqa"], [16, 7, 3])
@@ -52,6 +53,7 @@ def test_two_ranks_folded_heads_with_alibi():
     run_parity(2, ["alibi"], [12, 7])
 
 
+@pytest.mark.slow
 def test_two_ranks_replicated_queries_over_sharded_tokens():
     # LTX-2's audio queries attend over the sharded video tokens: the keys and values go to the
     # rank's heads, the queries are cut to them, the output is gathered over (padded) heads.

@@ -76,6 +76,7 @@ def test_regions_keep_parity_on_two_ranks_with_inductor():
     _check(run_in_process_world(_parity_worker, 2, "inductor", 1e-4, 1e-5, timeout=1800))
 
 
+@pytest.mark.slow
 def test_packed_rows_with_regions_match_each_sequence_alone():
     """Packed rows (the varlen attention op between regions) at SP 1 and SP 2, full recompute too."""
     from test_packed_batches import _packed_worker

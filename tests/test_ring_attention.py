@@ -114,6 +114,7 @@ HYBRID_AT_4 = "ring x2 over Ulysses x2 (2 query / 2 KV heads at SP 4, no padded 
 RING_AT_4 = "ring x4 (2 query / 1 KV heads at SP 4, no padded heads)"
 
 
+@pytest.mark.slow
 def test_four_ranks_two_heads_ring_and_hybrid_at_parity():
     # Causal (the ring skips blocks after the queries: every rank must still pass every block),
     # hybrid and pure ring with GQA 2q/1kv; 16 splits evenly, 7 unevenly (2/2/2/1).

@@ -85,6 +85,7 @@ def run_fuzz(cases, world_size: int, timeout: float) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_quick_fuzz_tier():
     cases = REGRESSIONS + programs(24, fuzz_seed=2024)
     result = run_fuzz(cases, 2, timeout=900)

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
+
 from audio_models import strided_models_worker
 from dcp_compile.testing.process_world import run_in_process_world
 
 
+@pytest.mark.slow
 def test_strided_convolutions_over_positions_at_odd_and_even_lengths():
     with_transformers = importlib.util.find_spec("transformers") is not None
     results = run_in_process_world(strided_models_worker, 2, [15, 16, 31], with_transformers, timeout=900)

@@ -92,6 +92,7 @@ def run_tiled_parity(world_size: int, names: list[str], lengths: list[int], poli
     assert all(result["checked"] == len(names) * len(lengths) * len(policies) for result in results), results
 
 
+@pytest.mark.slow
 def test_one_process() -> None:
     pytest.importorskip("transformers", reason="the Hugging Face Llama needs `pip install .[hf]`")
     run_tiled_parity(1, ["tinygpt", "gpt", "hf_llama"], [12, 7], ["attention", "full"])
@@ -102,6 +103,7 @@ def test_two_ranks() -> None:
     run_tiled_parity(2, ["tinygpt", "hf_llama", "hf_gpt2"], [12, 7], ["selective", "block"])
 
 
+@pytest.mark.slow
 def test_four_ranks_uneven_and_empty_shares() -> None:
     # 7 tokens split 2/2/2/1 and 3 split 1/1/1/0: short chunks and an empty share; Llama's 2 KV heads at SP 4.
     pytest.importorskip("transformers", reason="the Hugging Face Llama needs `pip install .[hf]`")
