@@ -281,6 +281,7 @@ def _padded_batches(rank: int, world_size: int) -> dict:
     return {"losses": losses, "variants": summaries}
 
 
+@pytest.mark.slow
 def test_padded_hugging_face_batches_of_size_one_then_three_stay_sharded_and_exact():
     model = _tiny_llama(use_cache=False)
     eager = [model(**_padded_batch(lengths, seed)).loss.item() for seed, lengths in enumerate(PADDED_BATCHES)]
