@@ -1,11 +1,21 @@
 """The longest sequence the planner places, per the cost model, beside ALST's measured figures.
 
 For Llama-3-8B and a Wan-2.1-1.3B-shaped video DiT on 1, 8 and 32 H100s and H200s: the most tokens
-one micro-batch holds on any SP group under any recompute policy the compiler builds, with the
-model state as the runtime keeps it (bf16 parameters and fp32 gradients whole on every rank during
-the step, Adam state sharded over the world: ``dcp.shard_model`` / ZeRO-1, the project's documented
-setting), under the planner's default cap (0.9 of the device's memory). Beside it, per (SP size,
-policy), where the bytes per token go, so the table says why.
+one micro-batch holds on any SP group under any recompute policy the compiler builds, under the
+planner's default cap (0.9 of the device's memory), for each way the runtime can keep the model
+state (``CostModel.state_sharding``; each is what the named ``dcp.shard_model`` call does):
+
+* **gathered** (``dcp.shard_model(model)``, ``state_sharding="replicated"``): bf16 parameters and fp32
+  gradients whole on every rank during the step, Adam state sharded over the world (ZeRO-1/2 peak);
+* **ZeRO-3** (``dcp.shard_model(model, reshard_after_forward=True)``, ``"sharded"``): parameters,
+  gradients and Adam state / world, plus the root's and two blocks' unsharded parameters and
+  gradients; plans in rounds, each round paying the world's all-gathers and reduce-scatters;
+* **ZeRO-3 + optimizer offload** (``... reshard_after_forward=True, offload=True``,
+  ``"sharded_offload"``): FSDP2's ``CPUOffloadPolicy``, the shards in host memory and the optimizer
+  step on the host; on the device only what is unsharded.
+
+Beside it, per (SP size, policy), where the bytes per token go, so the table says why; and per
+sharded mode, what a round's collectives and the host's optimizer step cost.
 
 ALST (Arctic Long Sequence Training, arXiv 2506.13996, its Table 1 / abstract, measured): Llama-3-8B
 trains 500K tokens on 1 H100, 3.7M on 8 and 15M on 32, with Ulysses SP, ZeRO-3 with optimizer
@@ -24,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from dcp_compile.schedule.cost_model import CostModel, ModelProfile
+from dcp_compile.schedule.cost_model import CostModel, ModelProfile, StateSharding
 from dcp_compile.schedule.hardware import Hardware
 from dcp_compile.schedule.planner import Planner
 from dcp_compile.variant import RECOMPUTE_POLICIES
@@ -33,6 +43,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ALST_LLAMA_8B = {1: 500_000, 8: 3_700_000, 32: 15_000_000}  # tokens on H100s, arXiv 2506.13996
 WORLDS = (1, 8, 32)
 HARDWARE = {"H100": Hardware.H100, "H200": Hardware.H200}
+# How the runtime keeps the model state: the table's name, the cost model's mode, the runtime call.
+STATES = {
+    "gathered": (StateSharding.REPLICATED, "dcp.shard_model(model)"),
+    "ZeRO-3": (StateSharding.SHARDED, "dcp.shard_model(model, reshard_after_forward=True)"),
+    "ZeRO-3 + offload": (StateSharding.SHARDED_OFFLOAD, "dcp.shard_model(model, reshard_after_forward=True, offload=True)"),
+}
 
 
 def wan_2_1_1_3b() -> ModelProfile:
@@ -50,14 +66,15 @@ def models() -> dict[str, ModelProfile]:
     return {"llama-3-8b": ModelProfile.from_config("llama-3-8b"), "wan-2.1-1.3b (shape)": wan_2_1_1_3b()}
 
 
-def capacity_row(profile: ModelProfile, hardware: Hardware, world: int) -> dict[str, Any]:
-    cost_model = CostModel(profile, hardware, optimizer_shards=world)
+def capacity_row(profile: ModelProfile, hardware: Hardware, world: int, state: str = "gathered") -> dict[str, Any]:
+    mode, call = STATES[state]
+    cost_model = CostModel(profile, hardware, optimizer_shards=world, state_sharding=mode)
     planner = Planner(cost_model, world)
     best_level = max(range(planner.levels), key=lambda j: planner.max_capacity[j])
     tokens = planner.max_capacity[best_level]
     size = planner.sizes[best_level]
     policy = RECOMPUTE_POLICIES[planner.capacity[best_level].index(tokens)] if tokens else None
-    state = cost_model.memory_coefficients(1, RECOMPUTE_POLICIES[-1]).fixed_bytes
+    state_bytes = cost_model.memory_coefficients(1, RECOMPUTE_POLICIES[-1]).fixed_bytes
     per_policy = {
         p.value: {str(s): cost_model.token_capacity(s, p, planner.memory_cap) for s in planner.sizes}
         for p in RECOMPUTE_POLICIES
@@ -66,38 +83,75 @@ def capacity_row(profile: ModelProfile, hardware: Hardware, world: int) -> dict[
         p.value: cost_model.memory_coefficients(size, p).bytes_per_token * size for p in RECOMPUTE_POLICIES
     }
     return {
-        "model": profile.name, "hardware": hardware.name, "world": world, "memory_cap": planner.memory_cap,
-        "state_bytes": state, "tokens": tokens, "sp_size": size, "policy": policy.value if policy else None,
+        "model": profile.name, "hardware": hardware.name, "world": world, "state": state, "runtime": call,
+        "state_sharding": mode.value, "memory_cap": planner.memory_cap,
+        "state_bytes": state_bytes, "host_state_bytes": cost_model.host_state_bytes(),
+        "round_seconds": cost_model.state_round_seconds(), "optimizer_step_seconds": cost_model.optimizer_step_seconds(),
+        "tokens": tokens, "sp_size": size, "policy": policy.value if policy else None,
         "capacity": per_policy, "bytes_per_token_at_best_sp": bytes_per_token,
     }
 
 
+def _longest(r: dict[str, Any]) -> str:
+    if r["tokens"]:
+        return f"{r['tokens']:,} (SP {r['sp_size']}, {r['policy']})"
+    return f"none: state over the {r['memory_cap'] / 1e9:.0f} GB cap"
+
+
 def report(rows: list[dict[str, Any]]) -> str:
+    by_key: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by_key.setdefault((r["model"], r["hardware"], r["world"]), {})[r["state"]] = r
+    states = [s for s in STATES if any(s in v for v in by_key.values())]
     lines = [
         "# The longest sequence the planner places (simulated, the cost model's memory terms)", "",
-        "Model state as the runtime keeps it: bf16 parameters and fp32 gradients whole on every rank for the step, "
-        "Adam state (12 bytes per parameter) sharded over the world (`dcp.shard_model`, ZeRO-1); cap 0.9 of the "
-        "device's memory; every SP size up to the world and every recompute policy the compiler builds ("
-        + ", ".join(p.value for p in RECOMPUTE_POLICIES) + ").", "",
-        "| model | GPUs | model state per rank | longest sequence (SP size, policy) | ALST, measured |",
-        "|---|---|---:|---|---:|",
+        "Cap 0.9 of the device's memory; every SP size up to the world and every recompute policy the compiler builds ("
+        + ", ".join(p.value for p in RECOMPUTE_POLICIES) + "); a language model's loss tiled under every policy but "
+        "none (the compiler's tile_loss pass, chunks of 4,096 tokens). Model state per rank on the device, per way the runtime "
+        "keeps it (`CostModel.state_sharding`; the runtime call that does it):", "",
     ]
-    for r in rows:
-        alst = f"{ALST_LLAMA_8B[r['world']]:,}" if r["model"] == "llama-3-8b" and r["hardware"] == "H100" else "-"
-        where = f"{r['tokens']:,} (SP {r['sp_size']}, {r['policy']})" if r["tokens"] else (
-            f"none: the model state exceeds the {r['memory_cap'] / 1e9:.0f} GB cap")
-        lines.append(f"| {r['model']} | {r['world']} x {r['hardware']} | {r['state_bytes'] / 1e9:.1f} GB | {where} | {alst} |")
+    lines += [f"* **{name}**: `{call}`, `state_sharding=\"{mode.value}\"`" for name, (mode, call) in STATES.items()
+              if name in states]
+    lines += [
+        "", "Gathered: bf16 parameters and fp32 gradients whole on every rank for the step, Adam state (12 bytes per "
+        "parameter) / world. ZeRO-3: all of it / world, plus the root's and two blocks' unsharded parameters and "
+        "gradients. ZeRO-3 + offload: only the latter on the device (the shards in host memory).", "",
+        "| model | GPUs | " + " | ".join(f"{s}: state | {s}: longest sequence" for s in states) + " | ALST, measured |",
+        "|---|---|" + "---:|---|" * len(states) + "---:|",
+    ]
+    for (model, hardware, world), entry in by_key.items():
+        alst = f"{ALST_LLAMA_8B[world]:,}" if model == "llama-3-8b" and hardware == "H100" else "-"
+        cells = []
+        for s in states:
+            r = entry.get(s)
+            cells += ["-", "-"] if r is None else [f"{r['state_bytes'] / 1e9:.1f} GB", _longest(r)]
+        lines.append(f"| {model} | {world} x {hardware} | " + " | ".join(cells) + f" | {alst} |")
+    sharded = [r for r in rows if r["state"] != "gathered"]
+    if sharded:
+        lines += ["", "What the sharded modes cost: every micro-batch (and idle round) pays one round of the state's "
+                  "all-gathers and reduce-scatters over the world (`CostModel.state_round_seconds`: one collective per "
+                  "sharded module, ring traffic over NVLink inside a node and the NIC across nodes, plus the host copies "
+                  "when offloaded); the optimizer step runs once per step (`CostModel.optimizer_step_seconds`: a bandwidth "
+                  "bound, on the host when offloaded):", "",
+                  "| model | GPUs | mode | per round | optimizer step | host memory per rank |", "|---|---|---|---:|---:|---:|"]
+        for r in sharded:
+            lines.append(f"| {r['model']} | {r['world']} x {r['hardware']} | {r['state']} | {r['round_seconds']:.3f} s | "
+                         f"{r['optimizer_step_seconds']:.3f} s | {r['host_state_bytes'] / 1e9:.1f} GB |")
     lines += ["", "What fills the cap: bytes a rank holds per token of its own share of the micro-batch (the micro-batch's "
-              "tokens / SP size), at the best SP size, per policy:", "",
+              "tokens / SP size), at the best SP size under ZeRO-3, per policy:", "",
               "| model | GPUs | " + " | ".join(p.value for p in RECOMPUTE_POLICIES) + " |",
               "|---|---|" + "---:|" * len(RECOMPUTE_POLICIES)]
     for r in rows:
-        if r["tokens"]:
+        if r["tokens"] and r["state"] == ("ZeRO-3" if "ZeRO-3" in states else states[0]):
             lines.append(f"| {r['model']} | {r['world']} x {r['hardware']} | " + " | ".join(
                 f"{r['bytes_per_token_at_best_sp'][p.value] / 1e3:,.0f} KB" for p in RECOMPUTE_POLICIES) + " |")
     lines += ["", "ALST: Arctic Long Sequence Training (arXiv 2506.13996), measured on H100s with Ulysses SP, ZeRO-3 "
               "and optimizer offload, a tiled loss, a tiled MLP and activation checkpoints offloaded to host memory. "
-              "The gap is what those mechanisms hold that this runtime does not yet build."]
+              "The runtime builds the first three (Ulysses SP and whole-block checkpoints, ZeRO-3 with offload, the "
+              "tiled loss); the gap left under ZeRO-3 + offload is what the tiled MLP and the offloaded checkpoints "
+              "hold, which it does not yet build: under block, each layer's input stays on the device (4,096 x 2 "
+              "bytes per token per layer for Llama-3-8B) and one block's backward rebuilds its MLP's intermediate "
+              "whole."]
     return "\n".join(lines) + "\n"
 
 
@@ -105,8 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", default=str(RESULTS))
     args = parser.parse_args(argv)
-    rows = [capacity_row(profile, hardware, world) for profile in models().values()
-            for hardware in HARDWARE.values() for world in WORLDS]
+    rows = [capacity_row(profile, hardware, world, state) for profile in models().values()
+            for hardware in HARDWARE.values() for world in WORLDS for state in STATES]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     text = report(rows)

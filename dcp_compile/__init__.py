@@ -59,6 +59,7 @@ _EXPORTS = {
     "sync_gradients": "dcp_compile.runtime.gradient_sync",
     "shard_model": "dcp_compile.runtime.fsdp",
     "begin_step": "dcp_compile.runtime.fsdp",
+    "idle_round": "dcp_compile.runtime.fsdp",
     "DataCentricBatchSampler": "dcp_compile.schedule.data_loading",
     "LoadedStep": "dcp_compile.schedule.data_loading",
     "save_checkpoint": "dcp_compile.runtime.checkpoints",

@@ -20,9 +20,13 @@ Composing with other wrappers:
   Under ``no_sync`` DDP only accumulates local gradients, which is what this function expects.
 * **FSDP2** (``fully_shard``): shard with ``dcp.shard_model(model)`` and call
   ``dcp.begin_step(model)`` before each step's first micro-batch; this function then issues one
-  SUM reduce-scatter per step instead (:mod:`dcp_compile.runtime.fsdp`). A model sharded with
-  plain ``fully_shard`` reduces (and averages) inside backward, per micro-batch; its DTensor
-  gradients are refused below rather than silently mis-weighted.
+  SUM reduce-scatter per step instead (:mod:`dcp_compile.runtime.fsdp`). Fully sharded during the
+  step (``dcp.shard_model(model, reshard_after_forward=True)``, ZeRO-3, plans in rounds): FSDP2
+  reduce-scatters after every backward, as a SUM (divide factor 1), and accumulates the shards;
+  ``dcp.begin_step(model, step)`` and this function run the rank's idle rounds, so every rank
+  issues the same collectives. A model sharded with plain ``fully_shard`` reduces (and averages)
+  inside backward, per micro-batch; its DTensor gradients are refused below rather than silently
+  mis-weighted.
 """
 
 from __future__ import annotations
