@@ -70,6 +70,7 @@ def wrong(outcomes: list[dict]) -> list[str]:
     return [f"{o['label']}: {o['detail']}" for o in outcomes if o["kind"] == "WRONG" or NO_REASON in o["detail"]]
 
 
+@pytest.mark.slow
 def test_quick_opinfo_sweep():
     names = QUICK_OPS + REGRESSIONS + DECOMPOSED + READS_POSITIONS + EMBEDDING
     outcomes, skips = sweep(names, per_op=1, batch=len(names))

@@ -87,6 +87,7 @@ def _recompute_parity_worker(rank, world_size):
     return True
 
 
+@pytest.mark.slow
 def test_recompute_policies_keep_parity_through_the_partitioner():
     assert run_in_process_world(_recompute_parity_worker, 2, timeout=900) == [True, True]
 
