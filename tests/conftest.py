@@ -65,12 +65,20 @@ def pytest_runtest_setup(item):
                     f"DCP_TEST_BUDGET_S={SLOW_BUDGET_S:.0f} s; run `python -m pytest -m slow` for the slow cases")
 
 
+_SKIPPED: set[str] = set()
+
+
 def pytest_runtest_logreport(report):
-    if "slow" in report.keywords and not report.skipped:  # setup (fixtures), call and teardown together
+    if "slow" not in report.keywords:
+        return
+    if report.skipped:
+        _SKIPPED.add(report.nodeid)
+    else:  # setup (fixtures), call and teardown together
         _MEASURED[report.nodeid] = round(_MEASURED.get(report.nodeid, 0.0) + report.duration, 1)
 
 
 def pytest_sessionfinish(session, exitstatus):
     out = os.environ.get("DCP_TEST_DURATIONS_OUT")
-    if out and _MEASURED:
-        Path(out).write_text(json.dumps(dict(sorted(_MEASURED.items())), indent=1) + "\n")
+    ran = {nodeid: seconds for nodeid, seconds in _MEASURED.items() if nodeid not in _SKIPPED}
+    if out and ran:
+        Path(out).write_text(json.dumps(dict(sorted(ran.items())), indent=1) + "\n")
