@@ -267,3 +267,34 @@ def test_plan_run_tunes_every_family_on_the_same_steps() -> None:
         assert len(contender.schedules) == 2
     assert families["static-sp+recompute"].configurations >= 2
     assert list(rungs) == list(ABLATION_RUNGS)
+
+
+@pytest.mark.slow
+def test_the_video_replay_runs_end_to_end_at_tiny_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """About 4 minutes on 2 busy cores: the replay's video path (VideoDiT profiled, compiled per
+    SP size and policy, one call per clip shape) on replay_tiny's sizes with clips up to 900
+    tokens, beside a text block; the table says which families cannot train the DiT and why."""
+    import copy
+
+    import replay
+    import workloads
+
+    def tiny_setup(device, tiny):
+        spec = workloads.load()
+        setup = dict(spec["setups"]["replay_tiny"], name="replay_tiny", seeds=[0], distributions=["sft-llama3", "video-opensora"])
+        video = copy.deepcopy(spec["setups"]["replay_cpu"]["video"])
+        video.update(tokens_per_rank=256, context_window=900, profile_lengths=[60, 240, 900], profile_held_out=[112],
+                     profile_sp_sizes=[1, 2, 4, 8])
+        return dict(setup, video=video)
+
+    monkeypatch.setattr(replay, "setup_for", tiny_setup)
+    assert replay.main(["--tiny", "--out-dir", str(tmp_path)]) == 0
+    text = (tmp_path / "replay_cpu_tiny.md").read_text()
+    assert "complete: 2 of 2" in text and "| 8 | video-opensora |" in text
+    assert text.count("packs mixed shapes: cannot train it") == 2
+    import json
+
+    rows = json.loads((tmp_path / "replay_cpu_tiny.json").read_text())["rows"]
+    video = [r for r in rows if r["distribution"] == "video-opensora"]
+    assert {r["kind"] for r in video} == {"video"} and len({r["memory_cap"] for r in video}) == 1
+    assert {"dcp", "static-sp+recompute"} <= {r["family"] for r in video if not r["ablation"]}
