@@ -107,7 +107,7 @@ def report(rows: list[dict[str, Any]]) -> str:
         "# The longest sequence the planner places (simulated, the cost model's memory terms)", "",
         "Cap 0.9 of the device's memory; every SP size up to the world and every recompute policy the compiler builds ("
         + ", ".join(p.value for p in RECOMPUTE_POLICIES) + "); a language model's loss tiled under every policy but "
-        "none (the compiler's tile_loss pass, chunks of 4,096 tokens). Model state per rank on the device, per way the runtime "
+        "none (the compiler's tile_loss pass, its default chunk: up to 4,096 tokens and 1 GiB of logits, 837 tokens for Llama-3-8B). Model state per rank on the device, per way the runtime "
         "keeps it (`CostModel.state_sharding`; the runtime call that does it):", "",
     ]
     lines += [f"* **{name}**: `{call}`, `state_sharding=\"{mode.value}\"`" for name, (mode, call) in STATES.items()

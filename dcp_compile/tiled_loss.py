@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-LOSS_CHUNK_TOKENS = 4096  # the backend's default ``loss_chunk`` option; the cost model's default chunk
+LOSS_CHUNK_TOKENS = 4096  # the most tokens a default chunk holds
+LOSS_CHUNK_BYTES = 1 << 30  # and the most bytes: a large vocabulary gets shorter chunks (Llama 3: 837 tokens)
 
 
 def tiles_loss(recompute: Any) -> bool:
@@ -43,3 +44,13 @@ def loss_chunk_bytes(chunk_tokens: int, vocab_size: int, dtype_bytes: int, upcas
     backward: ``softmax - onehot``, turned into the gradient of the logits in place)."""
     upcast_copy = 4 if upcast and dtype_bytes < 4 else 0
     return chunk_tokens * vocab_size * (dtype_bytes + upcast_copy + 4)
+
+
+def default_chunk_tokens(vocab_size: int, dtype_bytes: int, upcast: bool = True) -> int:
+    """The chunk the backend tiles with unless ``options={"loss_chunk": n}`` says otherwise, and the
+    cost model prices: :data:`LOSS_CHUNK_TOKENS` tokens, fewer where that many would hold more than
+    :data:`LOSS_CHUNK_BYTES` (:func:`loss_chunk_bytes`). Why a bound in bytes: a chunk is a fixed
+    amount the device holds whatever the length, and Llama 3's 128,256-entry vocabulary would make
+    a 4,096-token chunk 5.3 GB; a shorter one costs only more, smaller matmuls."""
+    per_token = loss_chunk_bytes(1, max(1, vocab_size), dtype_bytes, upcast)
+    return max(1, min(LOSS_CHUNK_TOKENS, LOSS_CHUNK_BYTES // per_token))

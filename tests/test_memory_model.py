@@ -21,6 +21,7 @@ from dcp_compile.schedule.analytic import memory_coefficients
 from dcp_compile.schedule.hardware import Hardware
 from dcp_compile.schedule.model_profile import ModelProfile
 from dcp_compile.schedule.presets import preset_shape
+from dcp_compile.tiled_loss import default_chunk_tokens
 from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, Variant
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,8 +231,9 @@ def test_the_head_backward_holds_the_loss_gradients_under_full_unless_the_loss_i
     """Under ``full`` the compiler rebuilds the head with the last block. A loss left untiled
     (``disable_passes=["tile_loss"]``, priced with ``loss_chunk_tokens=0``) then holds two
     vocabulary-wide fp32 gradients (of the log-probabilities and of the logits) per token on top;
-    the tiled loss holds one chunk's, a fixed amount whatever the length (Llama-3-8B: 4,096 tokens
-    x 128,256 x (2 + 4 + 4) bytes, 5.3 GB), and nothing vocabulary-wide per token."""
+    the tiled loss holds one chunk's, a fixed amount whatever the length (Llama-3-8B: the default
+    chunk of 837 tokens x 128,256 x (2 + 4 + 4) bytes, under 1 GiB, where 4,096 tokens would be
+    5.3 GB), and nothing vocabulary-wide per token."""
     shape = preset_shape("llama-3-8b")[1]
     untiled = ModelProfile.transformer("llama-3-8b", **dict(shape, loss_chunk_tokens=0))
     working = untiled.backward_working_bytes_per_token("full", 8)
@@ -240,7 +242,8 @@ def test_the_head_backward_holds_the_loss_gradients_under_full_unless_the_loss_i
     tiled = ModelProfile.from_config("llama-3-8b")
     assert tiled.backward_working_bytes_per_token("full", 8) < working - 2 * 128256 * 4
     assert tiled.backward_working_bytes_per_token("full", 8) < 128256 * 4  # no vocabulary-wide tensor per token
-    assert tiled.loss_chunk_bytes("full") == 4096 * 128256 * (2 + 4 + 4)
+    assert tiled.loss_chunk_tokens == default_chunk_tokens(128256, 2) == 837
+    assert tiled.loss_chunk_bytes("full") == 837 * 128256 * (2 + 4 + 4) <= 1 << 30
     assert tiled.loss_chunk_bytes("none") == 0  # none keeps the logits: priced per token, untiled
 
 
@@ -285,7 +288,8 @@ def test_measured_peak_is_within_ten_percent_of_the_model(sp_size: int, policy: 
 def test_the_tiled_loss_holds_a_share_up_to_one_chunk_and_capacity_solves_both_sides() -> None:
     """A rank's tiled loss holds its whole share of logits where the share is under a chunk and one
     chunk beyond: short micro-batches are not charged a whole chunk (the demo's 600-token shares
-    against a 4,096-token chunk), long ones are charged no more than one."""
+    against a 4,096-token chunk), long ones are charged no more than one (Llama-3-8B's default chunk:
+    837 tokens)."""
     from dcp_compile.schedule.analytic import MemoryCoefficients
 
     profile = ModelProfile.from_config("llama-3-8b")
@@ -293,13 +297,13 @@ def test_the_tiled_loss_holds_a_share_up_to_one_chunk_and_capacity_solves_both_s
     chunk = profile.loss_chunk_bytes("full")
     full = memory_coefficients(profile, sp, "full", optimizer_shards=sp)
     untiled = ModelProfile.transformer("llama-3-8b", **dict(preset_shape("llama-3-8b")[1], loss_chunk_tokens=0))
-    assert full.capped_tokens == 4096 * sp
-    share = 1000  # tokens per rank, under a chunk
+    assert full.capped_tokens == 837 * sp
+    share = 500  # tokens per rank, under a chunk
     assert full.peak(share * sp) - MemoryCoefficients(full.fixed_bytes, full.bytes_per_token).peak(share * sp) == pytest.approx(
-        chunk * share / 4096)
-    for tokens in (4096 * sp, 100_000 * sp):  # a chunk and beyond: one chunk
+        chunk * share / 837)
+    for tokens in (837 * sp, 100_000 * sp):  # a chunk and beyond: one chunk
         assert full.peak(tokens) - MemoryCoefficients(full.fixed_bytes, full.bytes_per_token).peak(tokens) == pytest.approx(chunk)
     assert memory_coefficients(untiled, sp, "full", optimizer_shards=sp).capped_bytes_per_token == 0
-    for cap in (full.peak(2000 * sp), full.peak(300_000)):  # a capacity under a chunk's tokens and one over
+    for cap in (full.peak(400 * sp), full.peak(300_000)):  # a capacity under a chunk's tokens and one over
         tokens = full.token_capacity(cap)
         assert full.peak(tokens) <= cap < full.peak(tokens + 1)

@@ -7,7 +7,7 @@ from typing import Any
 
 from dcp_compile.compiler.passes import check_disable_passes
 from dcp_compile.compiler.variant_selection import Bucket
-from dcp_compile.tiled_loss import LOSS_CHUNK_TOKENS
+from dcp_compile.tiled_loss import LOSS_CHUNK_BYTES, LOSS_CHUNK_TOKENS
 from dcp_compile.variant import RecomputePolicy, Variant
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -24,7 +24,7 @@ class DCPOptions:
     check: bool = False  # compare each variant's first call with the unsharded graph (dcp.check's light form)
     check_ranks: bool = True  # the SP group agrees on variant and inputs before each call (runtime/consistency.py)
     regions: bool = False  # compile token-local regions once for every variant (compiler/regions/)
-    loss_chunk: int = LOSS_CHUNK_TOKENS  # tokens per chunk of the tiled loss (passes/tiled_loss)
+    loss_chunk: int | None = None  # tokens per chunk of the tiled loss (None: tiled_loss.default_chunk_tokens)
 
     @property
     def valid_names(self) -> list[str]:
@@ -72,10 +72,11 @@ def parse_options(options: dict[str, Any] | None) -> DCPOptions:
     if len(set(max_lens)) != len(max_lens):
         raise ValueError(f"dcp: two buckets share a max_len ({max_lens}); each bucket needs its own bound")
     disable_passes = tuple(options.get("disable_passes", ()))
-    loss_chunk = options.get("loss_chunk", LOSS_CHUNK_TOKENS)
-    if isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int) or loss_chunk < 1:
+    loss_chunk = options.get("loss_chunk")
+    if loss_chunk is not None and (isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int) or loss_chunk < 1):
         raise ValueError(f"dcp: loss_chunk={loss_chunk!r}: give the tiled loss's chunk as a positive number of tokens "
-                         f"(default {LOSS_CHUNK_TOKENS})")
+                         f"(default: up to {LOSS_CHUNK_TOKENS}, fewer where a chunk's logits would pass "
+                         f"{LOSS_CHUNK_BYTES >> 20} MiB)")
     check_disable_passes(disable_passes)
     return DCPOptions(
         sp_size=sp_size,

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from dcp_compile.attention_layout import AttentionLayout, choose_attention_layout
-from dcp_compile.tiled_loss import LOSS_CHUNK_TOKENS, loss_chunk_bytes, tiles_loss
+from dcp_compile.tiled_loss import loss_chunk_bytes, tiles_loss
 from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, resends_collectives
 
 from .presets import FP32_BYTES, config_shape, preset_shape, transformer_fields
@@ -380,7 +380,7 @@ class ModelProfile:
         gradient_dtype_bytes: int = 4,
         optimizer_bytes_per_parameter: int = 12,
         extra_parameters: int = 0,
-        loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+        loss_chunk_tokens: int | None = None,
     ) -> "ModelProfile":
         """A profile from the shape of a standard pre-norm transformer.
 
@@ -392,7 +392,7 @@ class ModelProfile:
         block input. ``adaptive_norm``: adaLN modulation and gates (a DiT): the modulated norms'
         outputs and the gated branches' outputs are kept too. ``loss_chunk_tokens``: the chunk of the tiled loss the
         compiler builds for a language model under every policy but ``none`` (the backend's
-        ``loss_chunk``; 0: price the loss untiled).
+        ``loss_chunk``; None: its default for the vocabulary; 0: price the loss untiled).
         """
         return cls(**transformer_fields(
             name, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,

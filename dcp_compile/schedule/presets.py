@@ -35,7 +35,8 @@ output head, loss, a shared RoPE table) is priced per policy in ``head_activatio
 
 A language model's loss is tiled under every policy but ``none`` (:mod:`dcp_compile.tiled_loss`,
 the compiler's ``tile_loss`` pass): the output projection and cross-entropy run over chunks of
-``loss_chunk_tokens`` tokens and backward recomputes each chunk's logits. Under those policies the
+``loss_chunk_tokens`` tokens (default: the backend's, :func:`dcp_compile.tiled_loss.default_chunk_tokens`)
+and backward recomputes each chunk's logits. Under those policies the
 head keeps no fp32 log-probabilities and its backward holds no ``[tokens, vocab]`` gradient: what
 one chunk holds is a fixed amount (:func:`dcp_compile.tiled_loss.loss_chunk_bytes`, in the
 micro-batch's fixed bytes), and the forward work backward runs again includes one output-projection
@@ -56,7 +57,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from dcp_compile.tiled_loss import LOSS_CHUNK_TOKENS
+from dcp_compile.tiled_loss import default_chunk_tokens
 from dcp_compile.variant import RecomputePolicy
 
 FP32_BYTES = 4  # norm statistics, attention logsumexp and the loss run in fp32 whatever the dtype
@@ -82,7 +83,7 @@ def transformer_fields(
     gradient_dtype_bytes: int = 4,
     optimizer_bytes_per_parameter: int = 12,
     extra_parameters: int = 0,
-    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    loss_chunk_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The :class:`ModelProfile` fields of a standard pre-norm transformer (see the module docstring)."""
     kv_heads = num_kv_heads or num_heads
@@ -109,6 +110,8 @@ def transformer_fields(
                  cross_attention=bool(cross_attention_tokens), dtype_bytes=dtype_bytes, adaptive_norm=adaptive_norm)
     activation = layer_activation_bytes(**shape)
     recomputed = layer_recomputed_bytes(**shape)
+    if loss_chunk_tokens is None:  # the backend's default chunk for this vocabulary
+        loss_chunk_tokens = default_chunk_tokens(vocab_size, dtype_bytes) if vocab_size else 0
     tiled = bool(vocab_size) and loss_chunk_tokens > 0
     head = head_activation_bytes(
         hidden_size=h, vocab_size=vocab_size, output_channels=output_channels, dtype_bytes=dtype_bytes,

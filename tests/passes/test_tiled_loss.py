@@ -263,3 +263,21 @@ def test_loss_chunk_must_be_a_positive_token_count() -> None:
     assert parse_options({"loss_chunk": 128}).loss_chunk == 128
     with pytest.raises(ValueError, match="loss_chunk=0"):
         parse_options({"loss_chunk": 0})
+
+
+@pytest.mark.parametrize("vocab, chunk", [(64, 4096), (65536, 2048)])
+def test_the_default_chunk_holds_at_most_a_gibibyte_of_logits(vocab: int, chunk: int) -> None:
+    """Without ``loss_chunk`` the pass tiles with ``tiled_loss.default_chunk_tokens``: 4,096 tokens,
+    fewer where a chunk's fp32 logits and log-probabilities (8 bytes per entry) would pass 1 GiB:
+    a 65,536-entry vocabulary gets 2,048-token chunks; the cost model prices the same rule."""
+    from dcp_compile.tiled_loss import default_chunk_tokens
+
+    assert default_chunk_tokens(vocab, 4) == chunk
+    torch._dynamo.reset()
+    compiled = torch.compile(SmallLM("plain", vocab=vocab), backend="dcp", dynamic=True,
+                             options={"inner": "eager", "sp_size": 1, "recompute": "full"})
+    ids, labels = lm_inputs()
+    compiled(ids, labels)
+    (record,) = dcp.explain(compiled, ids, labels).variant_records()
+    assert len(record.tiled_losses) == 1 and f"over {chunk}-token chunks" in record.tiled_losses[0], record.tiled_losses
+    torch._dynamo.reset()

@@ -6,7 +6,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dcp_compile.tiled_loss import LOSS_CHUNK_TOKENS
 from dcp_compile.variant import RecomputePolicy
 
 if TYPE_CHECKING:
@@ -51,7 +50,7 @@ class PassContext:
     analysis: Analysis = field(default_factory=Analysis)
     scalar_values: dict[int, float] = field(default_factory=dict)  # baked values of analysis.scalar_inputs
     snapshots: bool = False  # keep each pass's before/after graph text (explain, debug dir, tlparse)
-    loss_chunk: int = LOSS_CHUNK_TOKENS  # tokens per chunk of the tiled loss (options={"loss_chunk": ...})
+    loss_chunk: int | None = None  # tokens per chunk of the tiled loss (options={"loss_chunk": ...}; None: the default rule)
 
     def note(self, message: str, *args: Any) -> None:
         log.info(message, *args)

@@ -50,7 +50,7 @@ from dcp_compile.compiler import collectives  # noqa: F401  (registers dcp::repl
 from dcp_compile.compiler.graph_capture import splice_traced
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.kernels import tiled_cross_entropy as _tiled  # noqa: F401  (registers dcp::tiled_cross_entropy)
-from dcp_compile.tiled_loss import tiles_loss
+from dcp_compile.tiled_loss import LOSS_CHUNK_TOKENS, default_chunk_tokens, tiles_loss
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -211,6 +211,14 @@ def find_losses(gm: fx.GraphModule) -> tuple[list[LossMatch], list[tuple[str, st
     return matches, refused
 
 
+def _default_chunk(match: LossMatch) -> int:
+    """:func:`dcp_compile.tiled_loss.default_chunk_tokens` for this loss's vocabulary and dtype."""
+    weight = match.weight.meta.get("val")
+    if weight is None:
+        return LOSS_CHUNK_TOKENS
+    return default_chunk_tokens(int(weight.shape[0]), weight.element_size(), match.upcast)
+
+
 def _tiled_loss_function(match: LossMatch, chunk: int, reads_logits: bool):
     """``function(hidden, weight, [bias], target, [logits])``: the loss, tiled, as the graph computed it."""
     def tiled(hidden: torch.Tensor, weight: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
@@ -248,8 +256,8 @@ def tile_loss_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 (match.loss.name, "recompute=none keeps the logits (the fastest policy; every other policy "
                  "tiles the loss)") for match in matches)
         return gm
-    chunk = ctx.loss_chunk
     for match in matches:
+        chunk = ctx.loss_chunk or _default_chunk(match)
         elsewhere = match.logits_read_elsewhere
         inputs = [match.hidden, match.weight] + ([match.bias] if match.bias is not None else []) + [match.target]
         if elsewhere:
