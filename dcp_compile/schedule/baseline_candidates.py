@@ -21,7 +21,7 @@ from dcp_compile.variant import RECOMPUTE_POLICIES
 from .analytic import ScoreLayout
 from .plan import Schedule
 from .plan_tables import EPSILON
-from .user_baselines import DYNAMIC_CP_THRESHOLD_SHARES, BalancedStaticSP, DynamicCP, gpus_needed
+from .user_baselines import DYNAMIC_CP_THRESHOLD_SHARES, BalancedStaticSP, DynamicCP, dynamic_cp_at_share, gpus_needed
 
 if TYPE_CHECKING:
     from .planner import Planner
@@ -61,14 +61,6 @@ def _makespan_bound(planner: "Planner", sizes_of: dict[tuple[int, float], int], 
     return max(work / world, longest)
 
 
-def _dynamic_cp(planner: "Planner", longest: int, share: float, restrictions: dict) -> DynamicCP:
-    safe = DynamicCP(planner.cost_model, planner.world_size, planner.memory_cap, longest, **restrictions)
-    if share == 1.0:
-        return safe
-    return DynamicCP(planner.cost_model, planner.world_size, planner.memory_cap, longest, recompute=safe.policy,
-                     max_seqlen_per_rank=max(1, int(safe.max_seqlen_per_rank * share)), **restrictions)
-
-
 def best_of_baselines(planner: "Planner", schedule: Schedule, lengths: Sequence[int], keys: Sequence[float],
                       spans: Sequence[float] | None) -> Schedule:
     """``schedule``, or a baseline candidate's plan when that one has the smaller makespan (each laid
@@ -95,7 +87,8 @@ def best_of_baselines(planner: "Planner", schedule: Schedule, lengths: Sequence[
                 pack_equal_lengths_only=config.pack_equal_lengths_only, **restrictions))
     if not config.pack_equal_lengths_only and len(allowed_levels) == planner.levels:
         for share in DYNAMIC_CP_THRESHOLD_SHARES:  # the thresholds a user tries (comparison.py tunes over them)
-            candidates.append(lambda share=share: _dynamic_cp(planner, longest, share, restrictions))
+            candidates.append(lambda share=share: dynamic_cp_at_share(
+                planner.cost_model, world, planner.memory_cap, longest, share, **restrictions))
     for build in candidates:
         try:
             scheduler = build()

@@ -36,7 +36,8 @@ from .cost_model import CostModel
 from .plan import Schedule
 from .planner import Planner, PlannerConfig
 from .published_schedulers import BucketParallelScheduler, DCPInterScheduler, StaticSPScheduler
-from .user_baselines import DYNAMIC_CP_THRESHOLD_SHARES, BalancedStaticSP, DynamicCP, PackedStaticCP
+from .step_time import step_time
+from .user_baselines import DYNAMIC_CP_THRESHOLD_SHARES, BalancedStaticSP, PackedStaticCP, dynamic_cp_at_share
 
 __all__ = ["ABLATION_RUNGS", "BASELINE_FAMILIES", "MIXED_PACKING_FAMILIES", "Budget", "PlannerScheduler", "Scheduler",
            "ablation", "contenders", "tune"]
@@ -94,11 +95,6 @@ class PlannerScheduler:
         return self.planner.plan(lengths, spans)
 
 
-def _published(budget: Budget, kind: type, *args, **kwargs):
-    scheduler = kind(budget.cost_model, budget.world_size, *args, memory_fraction=budget.memory_fraction, **kwargs)
-    return scheduler
-
-
 def feasible_sizes(budget: Budget, max_length: int) -> list[int]:
     """SP sizes on which the longest sample fits under some policy."""
     sizes, size = [], 1
@@ -117,10 +113,11 @@ def contenders(budget: Budget, max_length: int) -> dict[str, list[Scheduler]]:
     model, world = budget.cost_model, budget.world_size
     equal_only = budget.pack_equal_lengths_only
     families: dict[str, list[Scheduler]] = {"dcp": [PlannerScheduler(budget)]}
+    fraction = budget.memory_fraction
     for family, build in (
-        ("static-sp", lambda: [_published(budget, StaticSPScheduler, max_length)]),
-        ("bucket-parallel", lambda: [_published(budget, BucketParallelScheduler, max_length)]),
-        ("dcp-inter", lambda: [_published(budget, DCPInterScheduler)]),
+        ("static-sp", lambda: [StaticSPScheduler(model, world, max_length, memory_fraction=fraction)]),
+        ("bucket-parallel", lambda: [BucketParallelScheduler(model, world, max_length, memory_fraction=fraction)]),
+        ("dcp-inter", lambda: [DCPInterScheduler(model, world, memory_fraction=fraction)]),
     ):
         try:
             families[family] = build()
@@ -134,15 +131,10 @@ def contenders(budget: Budget, max_length: int) -> dict[str, list[Scheduler]]:
     families["packed-static-cp"] = [PackedStaticCP(model, world, cap, s, max_length) for s in sizes]
     dynamic = []
     for policy in RECOMPUTE_POLICIES:
-        try:
-            safe = DynamicCP(model, world, cap, max_length, recompute=policy)
-        except ValueError:
-            continue
         for share in DYNAMIC_CP_THRESHOLD_SHARES:
-            threshold = max(1, int(safe.max_seqlen_per_rank * share))
             try:
-                dynamic.append(DynamicCP(model, world, cap, max_length, recompute=policy, max_seqlen_per_rank=threshold))
-            except ValueError:
+                dynamic.append(dynamic_cp_at_share(model, world, cap, max_length, share, recompute=policy))
+            except ValueError:  # the policy cannot hold the longest sample, or the threshold is too small
                 continue
     if dynamic:
         families["dynamic-cp"] = dynamic
@@ -200,7 +192,6 @@ def plan_run(budget: Budget, steps: Sequence[tuple[Sequence[int], Sequence[float
     """Every family, tuned on the run's ``steps`` (``(lengths, spans)`` pairs) by its predicted step
     time (gradient all-reduce included, unoverlapped), and the ablation ladder at the tuned static
     SP size: ``(families, ablation)``."""
-    from .step_time import step_time
 
     def cost(scheduler: Scheduler, index: int) -> float:
         lengths, spans = steps[index]

@@ -46,7 +46,8 @@ from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy
 from .cost_model import CostModel
 from .plan import Schedule, ScheduledMicroBatch
 
-__all__ = ["DYNAMIC_CP_THRESHOLD_SHARES", "BalancedStaticSP", "DynamicCP", "PackedStaticCP", "gpus_needed"]
+__all__ = ["DYNAMIC_CP_THRESHOLD_SHARES", "BalancedStaticSP", "DynamicCP", "PackedStaticCP", "dynamic_cp_at_share",
+           "gpus_needed"]
 
 # The per-rank thresholds a user tries for dynamic CP, as shares of the most every group size holds.
 DYNAMIC_CP_THRESHOLD_SHARES = (1.0, 0.5, 0.25, 0.125)
@@ -385,3 +386,15 @@ class DynamicCP(_SameRuntimeScheduler):
                 first += group.size
             round_index += 1
         return Schedule(self.world_size, microbatches, scheduler=self.name)
+
+
+def dynamic_cp_at_share(cost_model: CostModel, world_size: int, memory_cap: float, max_length: int, share: float,
+                        recompute: RecomputePolicy | str | None = None, **restrictions) -> DynamicCP:
+    """Dynamic CP with its per-rank threshold at ``share`` of the most every group size holds (one of
+    :data:`DYNAMIC_CP_THRESHOLD_SHARES`, the thresholds a user tries); the policy is ``recompute``,
+    or the fastest that holds the longest sample. Raises ``ValueError`` where none does."""
+    safe = DynamicCP(cost_model, world_size, memory_cap, max_length, recompute=recompute, **restrictions)
+    if share == 1.0:
+        return safe
+    return DynamicCP(cost_model, world_size, memory_cap, max_length, recompute=safe.policy,
+                     max_seqlen_per_rank=max(1, int(safe.max_seqlen_per_rank * share)), **restrictions)
