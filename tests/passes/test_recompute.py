@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from pass_helpers import SDPA, compile_variants
 from torch.utils.checkpoint import CheckpointPolicy
 
+import dcp_compile as dcp
 from dcp_compile.compiler.passes.recompute import block_of, is_collective
 from dcp_compile.variant import RECOMPUTE_POLICIES, Variant
 
@@ -132,3 +133,27 @@ def test_full_gives_each_block_its_own_region(graphs):
     # reshape or permute falls in the region outside the blocks (the head and the mean's rewrite).
     layout = {aten.reshape.default, aten.view.default, aten.permute.default, aten.transpose.int, aten.movedim.int}
     assert not [n.name for n in ops(gm) if n.target in layout and block_of(n) is None]
+
+
+@pytest.mark.parametrize("policy", ["full", "block"])
+def test_a_hugging_face_model_gets_one_region_per_decoder_layer(fake_world, policy: str) -> None:
+    """transformers 5 wraps ``forward`` in decorators, so Dynamo finds the model as an argument
+    (``L['args'][0].model.layers.0``): the argument's index is not a block's, and before this was
+    told apart every op of the model fell in one region, recomputed from the model's input as a
+    whole instead of layer by layer (and a per-layer mix could not tell its layers apart)."""
+    pytest.importorskip("transformers")
+    from model_zoo import ZOO
+
+    case = ZOO["hf_llama"]
+    torch.manual_seed(0)
+    model = case.build()
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager", "sp_size": 2})
+    variant = Variant(2, policy)
+    with dcp.use(variant):
+        record = dcp.explain(compiled, **case.make_inputs(12))[0].variants[variant]
+    blocks = {block_of(n) for n in ops(record.graph)} - {None}
+    assert len(blocks) == model.config.num_hidden_layers == 2, blocks
+    assert all(".layers." in block for block in blocks), blocks
+    regions = {n.meta["ac_graph_id"] for n in ops(record.graph)  # collectives saved under full: region 0
+               if tag(n) is not None and block_of(n) is not None and not is_collective(n)}
+    assert len(regions) == 2, regions

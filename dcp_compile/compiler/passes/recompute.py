@@ -99,15 +99,22 @@ def attention_inputs_region(sdpa: fx.Node) -> list[fx.Node]:
 
 
 BLOCK_PATH = re.compile(r"^(.*?(?:\.|\[)\d+\]?)(?:\.|$)")
+# Where Dynamo found the root module: ``L['self']``, or an argument (``L['args'][0]``: transformers 5
+# wraps ``forward`` in decorators, so the model arrives as the wrapper's first argument). Its index
+# is not a block's: without this, every op of such a model fell in one "block" ``L['args'][0]``.
+ROOT_SOURCE = re.compile(r"^L\[['\"](?:args|kwargs)['\"]\]\[[^\]]+\]")
 
 
 def block_of(node: fx.Node) -> str | None:
     """The repeated block (``model.layers.3``) a node belongs to, from its module stack."""
     stack = node.meta.get("nn_module_stack") or {}
     for path, _ in stack.values():
-        match = BLOCK_PATH.match(str(path))
+        path = str(path)
+        root = ROOT_SOURCE.match(path)
+        prefix = root.group(0) if root else ""
+        match = BLOCK_PATH.match(path[len(prefix):])
         if match:
-            return match.group(1)
+            return prefix + match.group(1)
     return None
 
 
