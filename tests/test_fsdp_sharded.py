@@ -15,7 +15,6 @@ gets an error, not a hang.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -26,7 +25,8 @@ from dcp_compile.demo.example_models import TinyGPT
 from dcp_compile.demo.training_demo import collate
 from dcp_compile.schedule.cost_model import CostModel, ModelProfile
 from dcp_compile.schedule.hardware import Hardware
-from dcp_compile.testing.process_world import ProcessWorldError, run_in_process_world
+from dcp_compile.testing.process_world import run_in_process_world
+from dcp_compile.testing.sharding_checks import sharding_problems
 
 VOCAB, HIDDEN, HEADS = 64, 32, 4
 LEARNING_RATE = 1e-2
@@ -129,35 +129,33 @@ def train_rank(rank: int, world: int, steps: list[int], layers: int = 2, offload
     compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager"})
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
     rounds, idle, sp_sizes = [], 0, set()
-    for step in steps:
-        plan = sampler.plan(step)
-        rounds.append(plan.num_rounds)
-        idle += sum(mb is None for mb in plan.rounds)
-        dcp.begin_step(model, plan)
-        if explicit_rounds:
-            for mb in plan.rounds:
-                if mb is None:
+
+    def train(mb) -> None:
+        sp_sizes.add(mb.sp_size)
+        ids, labels = collate(dataset, mb.indices, torch.device("cpu"))
+        with dcp.use(mb):
+            loss = compiled(ids, labels)
+        (loss * mb.loss_scale).backward()
+
+    with dcp.recording() as records:  # every graph the steps ran, nothing run again
+        for step in steps:
+            plan = sampler.plan(step)
+            rounds.append(plan.num_rounds)
+            idle += sum(mb is None for mb in plan.rounds)
+            dcp.begin_step(model, plan)
+            for mb in plan.rounds if explicit_rounds else plan.microbatches:
+                if mb is None:  # explicit rounds: this rank idles in this one
                     dcp.idle_round(model)
-                    continue
-                sp_sizes.add(mb.sp_size)
-                ids, labels = collate(dataset, mb.indices, torch.device("cpu"))
-                with dcp.use(mb):
-                    loss = compiled(ids, labels)
-                (loss * mb.loss_scale).backward()
-        else:
-            for mb in plan.microbatches:
-                sp_sizes.add(mb.sp_size)
-                ids, labels = collate(dataset, mb.indices, torch.device("cpu"))
-                with dcp.use(mb):
-                    loss = compiled(ids, labels)
-                (loss * mb.loss_scale).backward()
-        dcp.sync_gradients(model)
-        assert all(isinstance(p.grad, DTensor) for p in model.parameters())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+                else:
+                    train(mb)
+            dcp.sync_gradients(model)
+            assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     return {
         "rounds": rounds,
         "idle": idle,
+        "unsharded": sharding_problems(records, 0),
         "sp_sizes": sorted(sp_sizes),
         "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
         "local_elements": sum(p.to_local().numel() for p in model.parameters()),
@@ -173,6 +171,7 @@ def check_training(world: int, results: list[dict], steps: list[int], layers: in
     assert set().union(*(r["sp_sizes"] for r in results)) >= {1, 2}, [r["sp_sizes"] for r in results]
     full = sum(p.numel() for p in make_model(layers).parameters())
     for rank, result in enumerate(results):
+        assert result["unsharded"] == [], (rank, result["unsharded"])  # every SP>1 variant sharded, no gather
         assert result["sharded"], rank
         assert result["local_elements"] <= full / world + 64, (rank, result["local_elements"], full)
     expected = reference_parameters(steps, world, layers)
@@ -313,9 +312,10 @@ def _guide_loop(rank: int, world: int, block: str) -> dict:
     from doc_blocks import run_python_block
     from test_fsdp import GUIDE_MAX_TOKENS_PER_RANK, GUIDE_TOKENS_PER_STEP, guide_dataset, guide_llama
 
-    namespace = run_python_block(block, "docs/training.md", model=guide_llama(), dataset=guide_dataset(),
-                                 tokens_per_step=GUIDE_TOKENS_PER_STEP, max_tokens_per_rank=GUIDE_MAX_TOKENS_PER_RANK,
-                                 inner="eager")
+    with dcp.recording() as records:
+        namespace = run_python_block(block, "docs/training.md", model=guide_llama(), dataset=guide_dataset(),
+                                     tokens_per_step=GUIDE_TOKENS_PER_STEP,
+                                     max_tokens_per_rank=GUIDE_MAX_TOKENS_PER_RANK, inner="eager")
     sampler = namespace["sampler"]
     plans = [sampler.plan(step, 0) for step in range(len(sampler.steps(0)))]
     return {
@@ -323,6 +323,10 @@ def _guide_loop(rank: int, world: int, block: str) -> dict:
         "rounds": [plan.num_rounds for plan in plans],
         "idle": sum(mb is None for plan in plans for mb in plan.rounds),
         "sp_sizes": sorted({mb.sp_size for plan in plans for mb in plan.microbatches}),
+        # budget 1: the guide's padded Hugging Face batches gather once per SP-2 variant, at a reshape
+        # whose dimensions cannot be matched symbolically (the zoo's unpadded Llama gathers none)
+        "unsharded": sharding_problems(records, 1),
+        "gathers": sorted({reason for v in records.variant_records() if v.sp_size > 1 for reason in v.gather_reasons()}),
         "parameters": {name: p.full_tensor().tolist() for name, p in namespace["model"].named_parameters()},
     }
 
@@ -346,6 +350,8 @@ def test_the_guide_fully_sharded_loop_trains_the_global_batches() -> None:
     for rank, result in enumerate(results):
         assert result["epochs"] == 1, "the loop ran one whole epoch"
         assert 2 in result["sp_sizes"], f"rank {rank}: no SP-2 micro-batch was planned: {result['sp_sizes']}"
+        assert result["unsharded"] == [], (rank, result["unsharded"])
+        assert all("cannot be matched symbolically" in reason for reason in result["gathers"]), result["gathers"]
         for name, value in model.named_parameters():
             torch.testing.assert_close(torch.tensor(result["parameters"][name]), value.detach(), rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
