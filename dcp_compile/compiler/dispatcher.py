@@ -202,7 +202,7 @@ class Dispatcher:
             packed_attention_reason=self.packed_reasons.get(variant, ""),
             record=self.record, variant_record=variant_record, analysis=self.analysis,
             scalar_values=dict(zip(self.analysis.scalar_inputs, scalars)), snapshots=snapshots_requested(),
-            loss_chunk=self.options.loss_chunk,
+            loss_chunk=self.options.loss_chunk, mlp_chunk=self.options.mlp_chunk,
         )
         passes = [p for p in self.variant_passes
                   if (variant.sp_size > 1 or p.runs_without_sharding) and not p.disabled_by(self.options.disable_passes)]

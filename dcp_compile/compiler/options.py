@@ -8,6 +8,7 @@ from typing import Any
 from dcp_compile.compiler.passes import check_disable_passes
 from dcp_compile.compiler.variant_selection import Bucket
 from dcp_compile.tiled_loss import LOSS_CHUNK_BYTES, LOSS_CHUNK_TOKENS
+from dcp_compile.tiled_mlp import MLP_CHUNK_BYTES, MLP_CHUNK_TOKENS
 from dcp_compile.variant import RecomputePolicy, Variant
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -25,6 +26,7 @@ class DCPOptions:
     check_ranks: bool = True  # the SP group agrees on variant and inputs before each call (runtime/consistency.py)
     regions: bool = False  # compile token-local regions once for every variant (compiler/regions/)
     loss_chunk: int | None = None  # tokens per chunk of the tiled loss (None: tiled_loss.default_chunk_tokens)
+    mlp_chunk: int | None = None  # tokens per chunk of the tiled MLP under lean (None: tiled_mlp.default_mlp_chunk_tokens)
 
     @property
     def valid_names(self) -> list[str]:
@@ -77,6 +79,11 @@ def parse_options(options: dict[str, Any] | None) -> DCPOptions:
         raise ValueError(f"dcp: loss_chunk={loss_chunk!r}: give the tiled loss's chunk as a positive number of tokens "
                          f"(default: up to {LOSS_CHUNK_TOKENS}, fewer where a chunk's logits would pass "
                          f"{LOSS_CHUNK_BYTES >> 20} MiB)")
+    mlp_chunk = options.get("mlp_chunk")
+    if mlp_chunk is not None and (isinstance(mlp_chunk, bool) or not isinstance(mlp_chunk, int) or mlp_chunk < 1):
+        raise ValueError(f"dcp: mlp_chunk={mlp_chunk!r}: give the tiled MLP's chunk as a positive number of tokens "
+                         f"(default: up to {MLP_CHUNK_TOKENS}, fewer where a chunk's ffn-wide tensors would pass "
+                         f"{MLP_CHUNK_BYTES >> 20} MiB)")
     check_disable_passes(disable_passes)
     return DCPOptions(
         sp_size=sp_size,
@@ -89,4 +96,5 @@ def parse_options(options: dict[str, Any] | None) -> DCPOptions:
         check_ranks=bool(options.get("check_ranks", True)),
         regions=bool(options.get("regions", False)),
         loss_chunk=loss_chunk,
+        mlp_chunk=mlp_chunk,
     )

@@ -37,6 +37,8 @@ class VariantRecord:
     rewrites: list[str] = field(default_factory=list)
     tiled_losses: list[str] = field(default_factory=list)  # losses computed over chunks of tokens (passes/tiled_loss)
     untiled_losses: list[tuple[str, str]] = field(default_factory=list)  # (loss, why it was left as it is)
+    tiled_mlps: list[str] = field(default_factory=list)  # MLPs computed over chunks of tokens (passes/tiled_mlp, lean)
+    untiled_mlps: list[tuple[str, str]] = field(default_factory=list)  # (activation, why its MLP was left as it is)
     # (site, layout, padded head slots) per SDPA site: "ring x2 over Ulysses x2 (...)" or "Ulysses x4 (...)"
     attention_layouts: list[tuple[str, str, int]] = field(default_factory=list)
     collectives: dict[str, int] = field(default_factory=dict)
@@ -156,6 +158,10 @@ class GraphRecord:
                 lines.append(f"    tiled loss {tiled}")
             for loss, why in variant.untiled_losses:
                 lines.append(f"    loss {loss} not tiled: {why}")
+            for tiled in variant.tiled_mlps:
+                lines.append(f"    tiled MLP {tiled}")
+            for mlp, why in variant.untiled_mlps:
+                lines.append(f"    MLP at {mlp} not tiled: {why}")
             for gather in variant.gathers:
                 lines.append(f"    {gather}")
             for fallback in variant.local_fallbacks:

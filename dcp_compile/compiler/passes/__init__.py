@@ -15,6 +15,7 @@ from dcp_compile.compiler.passes.recompute import recompute_pass
 from dcp_compile.compiler.passes.sequence_dims import sequence_dims_pass
 from dcp_compile.compiler.passes.shard_sequence import shard_sequence_pass
 from dcp_compile.compiler.passes.tiled_loss import tile_loss_pass
+from dcp_compile.compiler.passes.tiled_mlp import tile_mlp_pass
 from dcp_compile.compiler.passes.use_varlen_attention import use_varlen_attention_pass
 from dcp_compile.compiler.variant_selection import active_sequence_boundaries
 
@@ -42,6 +43,8 @@ VARIANT_PASSES: tuple[GraphPass, ...] = (
     ),
     # After the sharding (the loss is a shard-local sum by then), before the recompute tags.
     GraphPass(tile_loss_pass, runs_without_sharding=True),
+    # Under lean only: each rank's MLPs over chunks of its tokens; before the recompute tags too.
+    GraphPass(tile_mlp_pass, runs_without_sharding=True),
     GraphPass(recompute_pass, runs_without_sharding=True),
 )
 

@@ -51,6 +51,7 @@ class PassContext:
     scalar_values: dict[int, float] = field(default_factory=dict)  # baked values of analysis.scalar_inputs
     snapshots: bool = False  # keep each pass's before/after graph text (explain, debug dir, tlparse)
     loss_chunk: int | None = None  # tokens per chunk of the tiled loss (options={"loss_chunk": ...}; None: the default rule)
+    mlp_chunk: int | None = None  # tokens per chunk of the tiled MLP (options={"mlp_chunk": ...}; None: the default rule)
 
     def note(self, message: str, *args: Any) -> None:
         log.info(message, *args)
