@@ -36,6 +36,16 @@ class RecomputePolicy(str, enum.Enum):
       sends 12 all-to-alls per micro-batch instead of 8) and keeps nothing per layer but the
       block's input, so what a rank holds per token no longer depends on the SP size. Ops
       outside the blocks and their collectives are handled as under ``full``.
+    * ``offload``: ``block``, and the blocks' kept inputs live in host memory between the forward
+      and their block's backward (torch's activation offloading in the min-cut partitioner: on a
+      GPU, pinned buffers copied on a side stream and prefetched before they are read): the device
+      holds a block input or two at a time, not one per layer (8 KB per token per layer for
+      Llama-3-8B, the largest term ``block`` keeps). Priced with the copies over the host link.
+    * ``lean``: ``offload``, and every MLP computed over chunks of tokens in forward and backward
+      (``dcp::tiled_mlp``): its wide hidden activations (``ffn`` per token, three of them for a
+      gated MLP, and their gradients) exist a chunk at a time, for one more MLP forward in
+      backward. With the tiled loss it is the set of memory policies ALST trains with
+      (arXiv 2506.13996): the planner takes it only for micro-batches nothing faster holds.
 
     Collective outputs are kept under every other policy (re-sending an all-to-all costs more
     than storing its result), and outside the blocks under ``block`` too. The values are strings,
@@ -48,6 +58,8 @@ class RecomputePolicy(str, enum.Enum):
     SELECTIVE = "selective"
     FULL = "full"
     BLOCK = "block"
+    OFFLOAD = "offload"
+    LEAN = "lean"
 
     def __str__(self) -> str:
         return self.value
@@ -73,13 +85,33 @@ class RecomputePolicy(str, enum.Enum):
 RECOMPUTE_POLICIES: tuple[RecomputePolicy, ...] = tuple(RecomputePolicy)
 
 
+WHOLE_BLOCK_POLICIES = frozenset({RecomputePolicy.BLOCK, RecomputePolicy.OFFLOAD, RecomputePolicy.LEAN})
+
+
+def checkpoints_whole_blocks(recompute: RecomputePolicy | str) -> bool:
+    """Whether each block keeps only its input and backward re-runs it whole, all-to-alls
+    included: ``block`` and the policies built on it (``offload``, ``lean``)."""
+    return RecomputePolicy.parse(recompute) in WHOLE_BLOCK_POLICIES
+
+
+def offloads_block_inputs(recompute: RecomputePolicy | str) -> bool:
+    """Whether the blocks' kept inputs wait in host memory for their backward (``offload``, ``lean``)."""
+    return RecomputePolicy.parse(recompute) in (RecomputePolicy.OFFLOAD, RecomputePolicy.LEAN)
+
+
+def tiles_mlp(recompute: RecomputePolicy | str) -> bool:
+    """Whether the MLPs run over chunks of tokens (``lean``)."""
+    return RecomputePolicy.parse(recompute) is RecomputePolicy.LEAN
+
+
 def resends_collectives(recompute: RecomputePolicy | str, collectives_recomputed: bool = False) -> bool:
     """Whether a variant's backward re-sends its blocks' all-to-alls (whole-block checkpointing):
-    under ``block``, and under ``full`` where ``collectives_recomputed`` prices ``full`` as the
-    published system builds it (``CostModel.collectives_recomputed``, the published baselines).
-    Such a block keeps only its input, and its layer sends 12 all-to-alls per micro-batch, not 8."""
+    under ``block`` (and ``offload``, ``lean``), and under ``full`` where ``collectives_recomputed``
+    prices ``full`` as the published system builds it (``CostModel.collectives_recomputed``, the
+    published baselines). Such a block keeps only its input, and its layer sends 12 all-to-alls
+    per micro-batch, not 8."""
     recompute = RecomputePolicy.parse(recompute)
-    return recompute is RecomputePolicy.BLOCK or (collectives_recomputed and recompute is RecomputePolicy.FULL)
+    return checkpoints_whole_blocks(recompute) or (collectives_recomputed and recompute is RecomputePolicy.FULL)
 
 
 @dataclass(frozen=True)

@@ -179,7 +179,7 @@ def test_user_baselines_plan_valid_steps_that_fit(seed: int) -> None:
 def test_a_baseline_that_cannot_hold_the_longest_sample_says_so() -> None:
     cap = Budget(LLAMA, 8, 0.9).memory_cap
     with pytest.raises(ValueError, match="does not fit 1 ranks.*larger SP size"):
-        BalancedStaticSP(LLAMA, 8, cap, 1, 40000)
+        BalancedStaticSP(LLAMA, 8, cap, 1, 400_000)  # SP 1 holds 145K tokens under recompute=lean
 
 
 def test_tune_keeps_the_cheapest_candidate_that_plans_every_step() -> None:

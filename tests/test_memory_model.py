@@ -22,7 +22,7 @@ from dcp_compile.schedule.hardware import Hardware
 from dcp_compile.schedule.model_profile import ModelProfile
 from dcp_compile.schedule.presets import preset_shape
 from dcp_compile.tiled_loss import default_chunk_tokens
-from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, Variant
+from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, Variant, checkpoints_whole_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -39,7 +39,7 @@ def wan_1_3b() -> ModelProfile:
 
 
 # --------------------------------------------------------------------------- 1: ring K/V blocks
-@pytest.mark.parametrize("policy", [p for p in RECOMPUTE_POLICIES if p != RecomputePolicy.BLOCK])
+@pytest.mark.parametrize("policy", [p for p in RECOMPUTE_POLICIES if not checkpoints_whole_blocks(p)])
 def test_ring_attention_keeps_the_kv_blocks_it_received(policy: RecomputePolicy) -> None:
     """The ring's backward computes each K/V block's gradients from the block it received, so a
     rank keeps all ``r - 1`` received blocks (``S/P`` tokens' worth of K and V each) per layer

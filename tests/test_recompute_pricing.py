@@ -9,6 +9,9 @@ keeps (``VariantRecord.saved_activation_bytes``, inputs and RNG state excluded) 
 without a process group; SP 2 uses the fake process group (one process, graph structure only:
 the all-to-all outputs every policy but ``block`` keeps are priced separately). ``block`` is
 compiled at SP 2 only: at SP 1 there is no all-to-all, and it is ``full`` (priced so too).
+``offload`` and ``lean`` keep on the device nothing of it between forward and backward: what
+``block`` keeps is in host memory (``VariantRecord.offloaded_activation_bytes`` against
+``ModelProfile.host_activation_bytes_per_token``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import dcp_compile as dcp
 from dcp_compile.demo.example_models import TinyGPT
 from dcp_compile.schedule.cost_model import ModelProfile
-from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, Variant
+from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, Variant, offloads_block_inputs
 
 VOCAB, HIDDEN, LAYERS, HEADS = 512, 128, 2, 4
 LENGTH = 256  # traced at this length: saved bytes are read off the symbolic sizes at the traced length
@@ -59,9 +62,9 @@ def saved_collective_outputs(forward_graph: str) -> int:
     return len(re.findall(r"\bwait_tensor(?:_\d+)?\b", returned))
 
 
-def compiled_saved_bytes(sp_size: int) -> dict[RecomputePolicy, tuple[int, int]]:
-    """(saved activation bytes per rank, saved collective outputs) of TinyGPT's variant at
-    ``sp_size`` under every policy compiled there."""
+def compiled_saved_bytes(sp_size: int) -> dict[RecomputePolicy, tuple[int, int, int]]:
+    """(saved activation bytes per rank on the device, saved collective outputs, bytes offloaded
+    to the host) of TinyGPT's variant at ``sp_size`` under every policy compiled there."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = TinyGPT(vocab=VOCAB, hidden=HIDDEN, layers=LAYERS, heads=HEADS)
@@ -75,13 +78,14 @@ def compiled_saved_bytes(sp_size: int) -> dict[RecomputePolicy, tuple[int, int]]
         with dcp.use(variant):
             record = dcp.explain(compiled, ids, ids)
         (variant_record,) = [r for r in record.variant_records() if r.variant == variant]
-        saved[policy] = (variant_record.saved_activation_bytes, saved_collective_outputs(variant_record.forward_graph))
+        saved[policy] = (variant_record.saved_activation_bytes, saved_collective_outputs(variant_record.forward_graph),
+                         variant_record.offloaded_activation_bytes)
     torch._dynamo.reset()
     return saved
 
 
 @pytest.fixture(scope="module")
-def measured() -> dict[int, dict[RecomputePolicy, tuple[int, int]]]:
+def measured() -> dict[int, dict[RecomputePolicy, tuple[int, int, int]]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -97,14 +101,16 @@ def measured() -> dict[int, dict[RecomputePolicy, tuple[int, int]]]:
         torch.set_num_threads(threads)
 
 
-def table(measured: dict[int, dict[RecomputePolicy, tuple[int, int]]]) -> str:
+def table(measured: dict[int, dict[RecomputePolicy, tuple[int, int, int]]]) -> str:
     profile = tinygpt_profile()
-    lines = [f"{'sp':>3} {'policy':>10} {'compiled':>10} {'priced':>10} {'collective outputs kept':>24}  "
-             f"(bytes per rank, {LENGTH} tokens)"]
+    lines = [f"{'sp':>3} {'policy':>10} {'compiled':>10} {'priced':>10} {'collective outputs kept':>24} "
+             f"{'host: compiled':>15} {'priced':>10}  (bytes per rank, {LENGTH} tokens)"]
     for sp, saved in measured.items():
-        for policy, (compiled, collectives) in saved.items():
+        for policy, (compiled, collectives, offloaded) in saved.items():
+            host = profile.host_activation_bytes_per_token(policy) * LENGTH / sp
             lines.append(f"{sp:>3} {policy.value:>10} {compiled:>10} "
-                         f"{profile.saved_activation_bytes(LENGTH, policy, sp):>10.0f} {collectives:>24}")
+                         f"{profile.saved_activation_bytes(LENGTH, policy, sp):>10.0f} {collectives:>24} "
+                         f"{offloaded:>15} {host:>10.0f}")
     return "\n".join(lines)
 
 
@@ -112,10 +118,16 @@ def table(measured: dict[int, dict[RecomputePolicy, tuple[int, int]]]) -> str:
 def test_priced_saved_bytes_match_the_compiled_variant(measured, sp_size: int, policy: RecomputePolicy) -> None:
     if sp_size not in measured:
         pytest.skip("a process group was already initialized: no fake SP 2 group")
-    compiled, _ = measured[sp_size][policy]
-    priced = tinygpt_profile().saved_activation_bytes(LENGTH, policy, sp_size)
+    compiled, _, offloaded = measured[sp_size][policy]
+    profile = tinygpt_profile()
+    priced = profile.saved_activation_bytes(LENGTH, policy, sp_size)
     print(table(measured))
     assert compiled == pytest.approx(priced, rel=TOLERANCE), table(measured)
+    host = profile.host_activation_bytes_per_token(policy) * LENGTH / sp_size
+    assert offloaded == pytest.approx(host, rel=TOLERANCE), table(measured)
+    if offloads_block_inputs(policy):  # what block keeps, all of it in host memory
+        block = profile.saved_activation_bytes(LENGTH, RecomputePolicy.BLOCK, sp_size)
+        assert offloaded == pytest.approx(block, rel=TOLERANCE) and compiled == 0, table(measured)
 
 
 @pytest.mark.parametrize("sp_size", [1, 2])
@@ -123,8 +135,10 @@ def test_both_order_the_policies_alike(measured, sp_size: int) -> None:
     if sp_size not in measured:
         pytest.skip("a process group was already initialized: no fake SP 2 group")
     profile = tinygpt_profile()
-    compiled = [measured[sp_size][p][0] for p in policies_at(sp_size)]
-    priced = [profile.saved_activation_bytes(LENGTH, p, sp_size) for p in policies_at(sp_size)]
+    # what the device keeps: offload and lean keep nothing there (their ladder is in host memory)
+    ladder = [p for p in policies_at(sp_size) if not offloads_block_inputs(p)]
+    compiled = [measured[sp_size][p][0] for p in ladder]
+    priced = [profile.saved_activation_bytes(LENGTH, p, sp_size) for p in ladder]
     # none > attention > selective > full (> block at SP > 1), strictly, on both sides
     assert all(a > b for a, b in zip(compiled, compiled[1:])), table(measured)
     assert all(a > b for a, b in zip(priced, priced[1:])), table(measured)
@@ -138,7 +152,7 @@ def test_block_keeps_no_all_to_all_output_and_full_keeps_them_all(measured) -> N
     rank keeps per token is then what it keeps at SP 1."""
     if 2 not in measured:
         pytest.skip("a process group was already initialized: no fake SP 2 group")
-    (full, full_collectives), (block, block_collectives) = measured[2]["full"], measured[2]["block"]
+    (full, full_collectives, _), (block, block_collectives, _) = measured[2]["full"], measured[2]["block"]
     assert full_collectives - block_collectives == 4 * LAYERS, table(measured)
     assert block_collectives <= 1, table(measured)  # outside the blocks only
     all_to_all_output = 1 * LENGTH * (HEADS // 2) * (HIDDEN // HEADS) * 4  # [B, S, H/P, D], fp32

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
+from dcp_compile.compiler.activation_offload import is_offloaded, marking_partition, offloading_block_inputs
 from dcp_compile.compiler.dynamic_output_shapes import dynamic_output_shapes_allowed
 from dcp_compile.compiler.progress import compile_stage, compiling
 from dcp_compile.compiler.invariant_divisions import invariant_divisions_opaque
@@ -89,8 +90,9 @@ def _is_rng_state(node: fx.Node) -> bool:
     return isinstance(source, fx.Node) and source.target is torch._prims.rng_prims.run_and_save_rng_state
 
 
-def saved_for_backward(forward: fx.GraphModule, num_user_outputs: int | None = None) -> tuple[int, int]:
-    """(activation bytes, RNG-state bytes) the forward graph returns beyond the user outputs.
+def saved_for_backward(forward: fx.GraphModule, num_user_outputs: int | None = None) -> tuple[int, int, int]:
+    """(activation bytes, RNG-state bytes, offloaded bytes) the forward graph returns beyond the
+    user outputs: on the device, and moved to host memory (``recompute=offload``, ``lean``).
 
     What backward keeps alive: graph inputs and views of them (weights, transposed weights) are
     not counted, they live anyway.
@@ -98,15 +100,17 @@ def saved_for_backward(forward: fx.GraphModule, num_user_outputs: int | None = N
     output = next(n for n in forward.graph.nodes if n.op == "output")
     values = list(output.args[0])
     saved = values[num_user_outputs:] if num_user_outputs is not None else values
-    activations = rng_states = 0
+    activations = rng_states = offloaded = 0
     for node in saved:
         if not isinstance(node, fx.Node) or _aliases_an_input(node):
             continue
         if _is_rng_state(node):
             rng_states += _tensor_bytes(node.meta.get("val"))
+        elif is_offloaded(node):
+            offloaded += _tensor_bytes(node.meta.get("val"))
         else:
             activations += _tensor_bytes(node.meta.get("val"))
-    return activations, rng_states
+    return activations, rng_states, offloaded
 
 
 def _dump(record: VariantRecord, name: str, code: str) -> None:
@@ -121,7 +125,8 @@ def _record_forward(record: VariantRecord, gm: fx.GraphModule, num_user_outputs:
     from dcp_compile.compiler.passes.pipeline import readable
 
     record.forward_graph = readable(gm)
-    record.saved_activation_bytes, record.saved_rng_state_bytes = saved_for_backward(gm, num_user_outputs)
+    (record.saved_activation_bytes, record.saved_rng_state_bytes,
+     record.offloaded_activation_bytes) = saved_for_backward(gm, num_user_outputs)
     _dump(record, "forward", record.forward_graph)
 
 
@@ -135,6 +140,11 @@ def _record_backward(record: VariantRecord, gm: fx.GraphModule) -> None:
 def _num_outputs(gm: fx.GraphModule) -> int:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     return len(output.args[0]) if isinstance(output.args[0], (tuple, list)) else 1
+
+
+def _recompute(record: VariantRecord) -> Any:
+    """The variant's recompute policy (a record made without a variant: ``none``)."""
+    return getattr(record.variant, "recompute", None)
 
 
 def _fake_mode(example_inputs: list[Any]) -> Any:
@@ -158,10 +168,13 @@ def compile_aot_eager(gm: fx.GraphModule, example_inputs: list[Any], record: Var
         _record_backward(record, backward)
         return make_boxed_func(backward.forward)
 
-    with compile_stage("AOTAutograd trace and partition"), dynamic_output_shapes_allowed(_fake_mode(example_inputs)):
+    recompute = _recompute(record)
+    with (compile_stage("AOTAutograd trace and partition"), dynamic_output_shapes_allowed(_fake_mode(example_inputs)),
+          offloading_block_inputs(recompute, example_inputs)):
         return aot_module_simplified(
             gm, example_inputs, fw_compiler=forward_compiler, bw_compiler=backward_compiler,
-            partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True,
+            partition_fn=marking_partition(min_cut_rematerialization_partition, recompute),
+            keep_inference_input_mutations=True,
         )
 
 
@@ -239,7 +252,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list[Any], record: Vari
 
     try:
         with (compile_stage("AOTAutograd trace and partition"), autograd_cache_off_if_tagged(gm), caches_keyed_by_the_fix(),
-              dynamic_output_shapes_allowed(fake_mode)):
+              dynamic_output_shapes_allowed(fake_mode), offloading_block_inputs(_recompute(record), example_inputs)):
             return compile_fx(gm, example_inputs, inner_compile=recording_inner)
     except Exception as error:
         if not is_inductor_stride_sort_bug(error):

@@ -54,6 +54,7 @@ class VariantRecord:
     forward_graph: str | None = None
     backward_graph: str | None = None
     saved_activation_bytes: int | None = None  # per rank, at the traced length; inputs and their views excluded
+    offloaded_activation_bytes: int = 0  # saved for backward in host memory (recompute=offload, lean)
     saved_rng_state_bytes: int = 0  # generator states kept so recomputed seeded ops (SDPA) repeat their draws
     compile_seconds: float = 0.0
     calls: int = 0

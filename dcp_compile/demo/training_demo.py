@@ -58,6 +58,7 @@ import dcp_compile as dcp
 from dcp_compile.compiler.progress import compile_progress
 from dcp_compile.demo.dedicated_cores import RankWork, composed_step_seconds
 from dcp_compile.demo.example_models import TinyGPT
+from dcp_compile.variant import checkpoints_whole_blocks
 from dcp_compile.device_profile.device_timing import DeviceStopwatch, clock_for
 from dcp_compile.schedule.measured_costs import Clock
 
@@ -296,13 +297,19 @@ def demo_cost_model(measured: Sequence[dict], link: tuple[float, float], world_s
 
 def choosable_policies(sp_size: int) -> list[dcp.RecomputePolicy]:
     """The recompute policies the planner may choose at ``sp_size`` (what training must compile).
-    ``block`` costs ``full``'s compute and more communication, so it is chosen only where it holds
-    more tokens than ``full``; TinyGPT's two layers keep less than one block's backward rebuilds
-    (its all-to-alls' outputs received again), so that is nowhere here, and it is not compiled."""
+    ``block`` costs ``full``'s compute and more communication, and ``offload`` and ``lean`` cost
+    ``block``'s and more, so each is chosen only where it holds the longest sample in less memory
+    than every policy before it; TinyGPT's two layers keep less than one block's backward rebuilds
+    (its all-to-alls' outputs received again), so that is nowhere here, and they are not compiled."""
     memory = dcp.CostModel(tinygpt_profile(), dcp.Hardware.detect())
-    full = memory.memory_coefficients(sp_size, dcp.RecomputePolicy.FULL).bytes_per_token
-    block = memory.memory_coefficients(sp_size, dcp.RecomputePolicy.BLOCK).bytes_per_token
-    return [policy for policy in dcp.RecomputePolicy if policy is not dcp.RecomputePolicy.BLOCK or block < full]
+    chosen: list[dcp.RecomputePolicy] = []
+    least = math.inf
+    for policy in dcp.RecomputePolicy:
+        peak = memory.peak_memory([LONGEST], sp_size, policy)
+        if not checkpoints_whole_blocks(policy) or peak < least:
+            chosen.append(policy)
+        least = min(least, peak)
+    return chosen
 
 
 def sp_sizes_for(world_size: int) -> list[int]:

@@ -20,7 +20,7 @@ from dcp_compile.schedule.hardware import Hardware
 from dcp_compile.schedule.measured_costs import MeasuredCosts, Measurement, fit_all, held_out_errors
 from dcp_compile.schedule.model_profile import ModelProfile
 from dcp_compile.schedule.profiling import call_with_inputs
-from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, Variant
+from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, checkpoints_whole_blocks, Variant
 
 from .device_timing import Timing, clock_for, device_name, software_versions, time_step
 from .fake_world import fake_world
@@ -31,8 +31,11 @@ DEFAULT_LENGTHS = (256, 512, 1024, 2048)
 # The policies measured by default. Not `block`: on the one-process fake world its per-rank
 # compute is `full`'s (the all-to-alls it sends again cost nothing there), so its compute is
 # priced from `full`'s measured fit (MeasuredCosts.nearest_fit) and its communication and memory
-# are modelled; one more compiled variant per SP size would measure nothing new.
-MEASURED_POLICIES: tuple[RecomputePolicy, ...] = tuple(p for p in RECOMPUTE_POLICIES if p is not RecomputePolicy.BLOCK)
+# are modelled; one more compiled variant per SP size would measure nothing new. Nor `offload`
+# (block's compute; its host copies are modelled as communication) or `lean` (the policy of
+# lengths the profile cannot run: priced as `full`'s fit scales its own prior, one more MLP forward).
+MEASURED_POLICIES: tuple[RecomputePolicy, ...] = tuple(p for p in RECOMPUTE_POLICIES
+                                                        if not checkpoints_whole_blocks(p))
 
 
 def default_held_out_lengths(lengths: Sequence[int]) -> tuple[int, ...]:

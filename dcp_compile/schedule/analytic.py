@@ -196,29 +196,55 @@ def context_seconds_per_sequence(profile: "ModelProfile", hardware: Hardware, re
 
 
 @dataclass(frozen=True)
+class CappedTerm:
+    """Bytes that grow with a rank's tokens up to a bound and then stay: a tiled op's chunk, which
+    holds a rank's whole share up to one chunk (``tokens``: of the micro-batch, where each share
+    fills a chunk)."""
+
+    bytes_per_token: float
+    tokens: float
+
+
+@dataclass(frozen=True)
 class MemoryCoefficients:
-    """``peak_memory = fixed_bytes + bytes_per_token * tokens + capped_bytes_per_token *
-    min(tokens, capped_tokens)`` (tokens of the whole micro-batch, already divided by the SP size
-    inside the per-token terms). The capped term is what grows with the tokens up to a bound and
-    then stays: the tiled loss's chunk, which holds a rank's whole share up to one chunk."""
+    """``peak_memory = fixed_bytes + bytes_per_token * tokens + sum(term.bytes_per_token *
+    min(tokens, term.tokens) for term in capped)`` (tokens of the whole micro-batch, already
+    divided by the SP size inside the per-token terms). The capped terms are the tiled loss's
+    chunk and the tiled MLP's."""
 
     fixed_bytes: float
     bytes_per_token: float
-    capped_bytes_per_token: float = 0.0
-    capped_tokens: float = 0.0
+    capped: tuple[CappedTerm, ...] = ()
+
+    @property
+    def capped_bytes_per_token(self) -> float:
+        """The first capped term's slope (the tiled loss's, where there is one); 0 without."""
+        return self.capped[0].bytes_per_token if self.capped else 0.0
+
+    @property
+    def capped_tokens(self) -> float:
+        return self.capped[0].tokens if self.capped else 0.0
 
     def peak(self, tokens: float) -> float:
-        return self.fixed_bytes + self.bytes_per_token * tokens + self.capped_bytes_per_token * min(tokens, self.capped_tokens)
+        return (self.fixed_bytes + self.bytes_per_token * tokens
+                + sum(term.bytes_per_token * min(tokens, term.tokens) for term in self.capped))
 
     def token_capacity(self, memory_cap: float) -> int:
-        """The most tokens whose :meth:`peak` is within ``memory_cap`` (0 where none fit)."""
+        """The most tokens whose :meth:`peak` is within ``memory_cap`` (0 where none fit): the peak
+        is piecewise linear, its slope dropping at each capped term's bound; walk the pieces."""
         room = memory_cap - self.fixed_bytes
         if room <= 0:
             return 0
-        tokens = room / (self.bytes_per_token + self.capped_bytes_per_token) if self.bytes_per_token + self.capped_bytes_per_token else math.inf
-        if tokens > self.capped_tokens and self.capped_bytes_per_token:
-            room -= self.capped_bytes_per_token * self.capped_tokens
-            tokens = room / self.bytes_per_token if self.bytes_per_token else math.inf
+        start, used = 0.0, 0.0
+        tokens = math.inf
+        for bound in sorted({term.tokens for term in self.capped}) + [math.inf]:
+            slope = self.bytes_per_token + sum(term.bytes_per_token for term in self.capped if term.tokens > start)
+            reach = start + (room - used) / slope if slope else math.inf
+            if reach <= bound:
+                tokens = reach
+                break
+            used += slope * (bound - start)
+            start = bound
         if tokens == math.inf:
             raise ValueError("a micro-batch that costs no memory per token has no token capacity")
         tokens = int(tokens)
@@ -289,6 +315,10 @@ def raw_term_coefficients(
     passes = 3 if resends_collectives(recompute, collectives_recomputed) else 2
     communication_fixed, communication_per_token = attention_communication(profile, hardware, sp_size, passes)
     communication_fixed += state_round_seconds(profile, hardware, state_sharding, state_shards)
+    # offload, lean: each block input goes to the host in forward and comes back in backward, priced
+    # as if no compute hid it (on a GPU a side stream overlaps the copies: an upper bound).
+    communication_per_token += 2 * profile.host_activation_bytes_per_token(recompute) / (
+        sp_size * hardware.host_link_bandwidth)
     overhead = profile.num_layers * hardware.layer_overhead_s
     return {
         "linear": (0.0, linear, 0.0),
@@ -326,13 +356,17 @@ def memory_coefficients(
     A language model's tiled loss (every policy but ``none``, :mod:`dcp_compile.tiled_loss`) holds
     one chunk's logits and the fp32 tensors made from them at a time: a rank's whole share where
     it is shorter than a chunk, one chunk (:meth:`ModelProfile.loss_chunk_bytes`) whatever the
-    length beyond (the capped term of :class:`MemoryCoefficients`)."""
+    length beyond (a capped term of :class:`MemoryCoefficients`); so does the tiled MLP under
+    ``lean`` (:meth:`ModelProfile.mlp_chunk_bytes`). ``offload`` and ``lean`` keep most block
+    inputs in host memory (:meth:`ModelProfile.host_activation_bytes_per_token`), not priced here."""
     recompute = RecomputePolicy.parse(recompute)
     static = model_state_bytes(profile, state_sharding, optimizer_shards) + reserved_bytes
     saved = profile.saved_activation_bytes_per_token(recompute, sp_size, collectives_recomputed)
     working = profile.backward_working_bytes_per_token(recompute, sp_size, collectives_recomputed)
-    chunk_bytes = profile.loss_chunk_bytes(recompute)
-    if not chunk_bytes:
-        return MemoryCoefficients(static, (saved + working) / sp_size)
-    chunk_tokens = profile.loss_chunk_tokens * sp_size  # a micro-batch's tokens at which each share fills a chunk
-    return MemoryCoefficients(static, (saved + working) / sp_size, chunk_bytes / chunk_tokens, chunk_tokens)
+    capped = []
+    for chunk_bytes, chunk in ((profile.loss_chunk_bytes(recompute), profile.loss_chunk_tokens),
+                               (profile.mlp_chunk_bytes(recompute), profile.mlp_chunk_tokens())):
+        if chunk_bytes:
+            chunk_tokens = chunk * sp_size  # a micro-batch's tokens at which each share fills a chunk
+            capped.append(CappedTerm(chunk_bytes / chunk_tokens, chunk_tokens))
+    return MemoryCoefficients(static, (saved + working) / sp_size, tuple(capped))

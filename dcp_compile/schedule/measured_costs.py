@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from dcp_compile.variant import RecomputePolicy
+from dcp_compile.variant import RecomputePolicy, checkpoints_whole_blocks
 
 from .analytic import MemoryCoefficients, ScoreLayout, token_sums
 
@@ -150,8 +150,8 @@ class MeasuredCosts:
         communication, which is modelled, and they cost nothing on the profile's fake world).
         Its memory is not ``full``'s: only :meth:`fit_for` gives measured memory."""
         fit = self.fit_for(sp_size, recompute)
-        if fit is None and RecomputePolicy.parse(recompute) is RecomputePolicy.BLOCK:
-            fit = self.fit_for(sp_size, RecomputePolicy.FULL)
+        if fit is None and RecomputePolicy.parse(recompute) in (RecomputePolicy.BLOCK, RecomputePolicy.OFFLOAD):
+            fit = self.fit_for(sp_size, RecomputePolicy.FULL)  # offload: its host copies are communication too
         return fit
 
     def nearest_fit(self, sp_size: int, recompute: RecomputePolicy | str) -> VariantFit | None:
@@ -160,7 +160,7 @@ class MeasuredCosts:
         SP size not above it (else the smallest above it); used to scale the analytic prior."""
         recompute = RecomputePolicy.parse(recompute)
         same = [f for f in self.fits if f.recompute == recompute]
-        if not same and recompute is RecomputePolicy.BLOCK:
+        if not same and checkpoints_whole_blocks(recompute):  # block, offload, lean: full's per-rank work and more
             same = [f for f in self.fits if f.recompute == RecomputePolicy.FULL]
         same = same or list(self.fits)
         if not same:

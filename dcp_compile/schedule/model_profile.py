@@ -12,10 +12,18 @@ from typing import Any, Callable, Mapping, Sequence
 
 from dcp_compile.attention_layout import AttentionLayout, choose_attention_layout
 from dcp_compile.tiled_loss import loss_chunk_bytes, tiles_loss
-from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, resends_collectives
+from dcp_compile.tiled_mlp import default_mlp_chunk_tokens, mlp_chunk_bytes
+from dcp_compile.variant import (
+    RECOMPUTE_POLICIES, RecomputePolicy, checkpoints_whole_blocks, offloads_block_inputs, resends_collectives, tiles_mlp,
+)
 
 from .presets import FP32_BYTES, config_shape, preset_shape, transformer_fields
 from .profiling import measure_fields
+
+
+# Block inputs an offloading variant holds on the device at once: the one a block's backward reads
+# and the next one, being prefetched (forward: the one a block reads and the one it makes).
+OFFLOAD_RESIDENT_BLOCK_INPUTS = 2
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,13 @@ class ModelProfile:
             entries = getattr(self, key)
             if RecomputePolicy.FULL in entries and RecomputePolicy.BLOCK not in entries:
                 object.__setattr__(self, key, {**entries, RecomputePolicy.BLOCK.value: entries[RecomputePolicy.FULL]})
+                entries = getattr(self, key)
+            # `offload` and `lean` keep and rebuild what `block` does (where the kept inputs live,
+            # and the tiled MLP's chunk, are priced below): a profile without them gets `block`'s.
+            for policy in (RecomputePolicy.OFFLOAD, RecomputePolicy.LEAN):
+                if RecomputePolicy.BLOCK in entries and policy not in entries:
+                    object.__setattr__(self, key, {**entries, policy.value: entries[RecomputePolicy.BLOCK]})
+                    entries = getattr(self, key)
         if not self.head_activation_bytes_per_token:
             object.__setattr__(self, "head_activation_bytes_per_token", {p.value: 0.0 for p in RECOMPUTE_POLICIES})
         if not self.recomputed_bytes_per_token and all(p in self.activation_bytes_per_token for p in RECOMPUTE_POLICIES):
@@ -140,6 +155,32 @@ class ModelProfile:
             chunk = min(chunk, max(0, int(-(-tokens_per_rank // 1))))
         return float(loss_chunk_bytes(chunk, self.vocab_size, self.activation_dtype_bytes))
 
+    # ------------------------------------------------------------------ offload and tiled MLP
+    def host_activation_bytes_per_token(self, recompute: RecomputePolicy | str) -> float:
+        """Bytes per token of a rank's share that wait in host memory for backward: under
+        ``offload`` and ``lean`` all that ``block`` keeps (every block's input, and what the blocks
+        read from outside, a RoPE table), 0 otherwise. What the host link carries twice (out in
+        forward, back in backward), priced as time by :func:`.analytic.raw_term_coefficients`."""
+        recompute = RecomputePolicy.parse(recompute)
+        if not offloads_block_inputs(recompute):
+            return 0.0
+        return float(self.num_layers * self.activation_bytes_per_token[recompute]
+                     + self.head_activation_bytes_per_token[recompute])
+
+    def mlp_chunk_tokens(self) -> int:
+        """The tiled MLP's chunk the backend uses by default (:func:`dcp_compile.tiled_mlp.default_mlp_chunk_tokens`)."""
+        ffn = self.ffn_hidden_size or 4 * self.hidden_size
+        return default_mlp_chunk_tokens(ffn, self.gated_mlp, self.activation_dtype_bytes)
+
+    def mlp_chunk_bytes(self, recompute: RecomputePolicy | str) -> float:
+        """Bytes the tiled MLP's backward holds at once beyond its per-token terms, whatever the
+        length (``lean``; 0 otherwise): one chunk's ffn-wide tensors and gradients, priced whole
+        (a share shorter than a chunk holds less)."""
+        if not tiles_mlp(recompute):
+            return 0.0
+        ffn = self.ffn_hidden_size or 4 * self.hidden_size
+        return float(mlp_chunk_bytes(self.mlp_chunk_tokens(), ffn, self.gated_mlp, self.activation_dtype_bytes))
+
     def attention_layout(self, sp_size: int) -> AttentionLayout:
         """How the compiler splits a self-attention over ``sp_size`` ranks (Ulysses, ring or both)."""
         return choose_attention_layout(self.num_heads, max(1, self.num_kv_heads), sp_size)
@@ -167,9 +208,11 @@ class ModelProfile:
         ``full``, which the published baselines plan with).
         """
         recompute = self.priced_policy(recompute, collectives_recomputed)
+        if offloads_block_inputs(recompute):  # all of it waits in host memory: host_activation_bytes_per_token
+            return 0.0
         saved = self.num_layers * self.activation_bytes_per_token[recompute]
         saved += self.head_activation_bytes_per_token[recompute]
-        if recompute is RecomputePolicy.BLOCK:
+        if checkpoints_whole_blocks(recompute):
             return float(saved)
         if sp_size > 1:
             saved += self.num_attention_layers * self.attention_kept_bytes_per_token(recompute, sp_size)
@@ -185,7 +228,7 @@ class ModelProfile:
         cross-attention: where the SP size does not divide the heads they are padded to the next
         multiple, and the all-to-alls carry the padded heads. ``block`` keeps none of them."""
         recompute = RecomputePolicy.parse(recompute)
-        if sp_size <= 1 or recompute is RecomputePolicy.BLOCK:
+        if sp_size <= 1 or checkpoints_whole_blocks(recompute):
             return 0.0
         dtype, h = self.activation_dtype_bytes, self.hidden_size
         padded = dtype * self.head_dim * sp_size * -(-self.num_heads // sp_size)
@@ -229,7 +272,7 @@ class ModelProfile:
         blocks again.
         """
         recompute = RecomputePolicy.parse(recompute)
-        if sp_size <= 1 or recompute is RecomputePolicy.BLOCK:
+        if sp_size <= 1 or checkpoints_whole_blocks(recompute):
             return 0.0
         dtype, h = self.activation_dtype_bytes, self.hidden_size
         kv_width = self.head_dim * self.num_kv_heads
@@ -303,8 +346,8 @@ class ModelProfile:
         mlp_gradients = dtype * ((3 if self.gated_mlp else 2) * ffn + h)
 
         attention_rebuilt, mlp_rebuilt = self.recomputed_bytes_per_token[recompute]
-        resent = recompute is RecomputePolicy.BLOCK
-        whole_block = recompute in (RecomputePolicy.FULL, RecomputePolicy.BLOCK)
+        resent = checkpoints_whole_blocks(recompute)
+        whole_block = recompute is RecomputePolicy.FULL or resent
         if sp_size > 1 and recompute != RecomputePolicy.NONE:
             if resent:
                 # Whole-block checkpointing re-sends the all-to-alls: their outputs are rebuilt too.
@@ -316,7 +359,11 @@ class ModelProfile:
                 # nor (selective, full) the output all-to-all's result.
                 kept = dtype * (h + 2 * kv_width) + (dtype * h if recompute != RecomputePolicy.ATTENTION else 0)
                 attention_rebuilt = max(0.0, attention_rebuilt - kept)
-        if mlp_rebuilt > 0:
+        if tiles_mlp(recompute):
+            # The tiled MLP's ffn-wide gradients exist a chunk at a time (mlp_chunk_bytes, a fixed
+            # amount): per token only the gradient of its input.
+            mlp_gradients = dtype * h
+        elif mlp_rebuilt > 0:
             # A rebuilt hidden activation (the activation function's output, the gated product) is
             # freed once fc2's weight gradient is taken, before the activation's backward allocates
             # the next ffn-wide gradient: one ffn-wide tensor fewer alive at once than when it is kept.
@@ -333,7 +380,7 @@ class ModelProfile:
         mlp_phase = mlp_rebuilt + mlp_gradients + (block_rebuilt if whole_block else 0.0)
         head_rebuilt = 0.0
         tiled = self.tiles_loss(recompute)
-        if recompute in (RecomputePolicy.SELECTIVE, RecomputePolicy.FULL, RecomputePolicy.BLOCK):
+        if recompute in (RecomputePolicy.SELECTIVE, RecomputePolicy.FULL) or resent:
             head_rebuilt = self.head_activation_bytes_per_token[RecomputePolicy.NONE]
             if tiled:  # the tiled loss rebuilds the final norm's output, not the log-probabilities
                 head_rebuilt -= self.vocab_size * FP32_BYTES
@@ -341,15 +388,22 @@ class ModelProfile:
             head_rebuilt += block_rebuilt + mlp_rebuilt
         head_phase = head_rebuilt + (0.0 if tiled else self.output_bytes_per_token)
         residual_gradient = dtype * h
-        return float(residual_gradient + max(attention_phase, mlp_phase, head_phase))
+        # offload, lean: the block input a block's backward reads, copied back, and the next one,
+        # prefetched (and what the blocks read from outside, a RoPE table).
+        reloaded = 0.0
+        if offloads_block_inputs(recompute):
+            reloaded = (OFFLOAD_RESIDENT_BLOCK_INPUTS * self.activation_bytes_per_token[recompute]
+                        + self.head_activation_bytes_per_token[recompute])
+        return float(residual_gradient + reloaded + max(attention_phase, mlp_phase, head_phase))
 
     @staticmethod
     def priced_policy(recompute: RecomputePolicy | str, collectives_recomputed: bool = False) -> RecomputePolicy:
         """The policy whose memory is priced: ``block`` where ``collectives_recomputed`` makes
         ``full`` the published whole-block checkpointing, else ``recompute`` itself."""
-        if resends_collectives(recompute, collectives_recomputed):
+        recompute = RecomputePolicy.parse(recompute)
+        if recompute is RecomputePolicy.FULL and resends_collectives(recompute, collectives_recomputed):
             return RecomputePolicy.BLOCK
-        return RecomputePolicy.parse(recompute)
+        return recompute
 
     def saved_activation_bytes(
         self, tokens: int, recompute: RecomputePolicy | str, sp_size: int = 1, collectives_recomputed: bool = False,

@@ -58,7 +58,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from dcp_compile.tiled_loss import default_chunk_tokens
-from dcp_compile.variant import RecomputePolicy
+from dcp_compile.variant import RecomputePolicy, checkpoints_whole_blocks
 
 FP32_BYTES = 4  # norm statistics, attention logsumexp and the loss run in fp32 whatever the dtype
 TARGET_BYTES = 8  # int64 class targets the loss keeps
@@ -128,12 +128,17 @@ def transformer_fields(
     # The tiled loss recomputes the output projection in backward (one matmul of the head) under
     # `attention` and `selective`; `full` and `block` recompute it anyway.
     head_share = 2 * head_params / linear_flops if tiled else 0.0
+    mlp_linear_share = num_layers * 2 * mlp_params / linear_flops
+    mlp_memory_share = min(1.0, (4 if gated_mlp else 2) * ffn * dtype_bytes / activation["none"])
     recompute = {
         "none": (0.0, 0.0, 0.0),
         "attention": (qkv_linear_share + head_share, 1.0, qkv_memory_share),
         "selective": (qkv_linear_share + head_share, 1.0, 1.0),
         "full": (1.0, 1.0, 1.0),
         "block": (1.0, 1.0, 1.0),  # the same forward again; what differs is communication (analytic.py)
+        "offload": (1.0, 1.0, 1.0),  # block's work; the host copies are priced as communication
+        # The tiled MLP's backward runs each chunk's MLP forward once more.
+        "lean": (1.0 + mlp_linear_share, 1.0, 1.0 + mlp_memory_share),
     }
     return dict(
         name=name,
@@ -214,6 +219,9 @@ def layer_activation_bytes(
         # The block input, as under `full` (what `full` keeps beyond it at SP > 1, the all-to-alls'
         # outputs, `block` does not: ModelProfile.attention_kept_bytes_per_token).
         RecomputePolicy.BLOCK.value: float(h * dtype_bytes),
+        # The block input again: where it lives (host memory) is ModelProfile's business.
+        RecomputePolicy.OFFLOAD.value: float(h * dtype_bytes),
+        RecomputePolicy.LEAN.value: float(h * dtype_bytes),
     }
 
 
@@ -262,6 +270,10 @@ def layer_recomputed_bytes(
         RecomputePolicy.SELECTIVE.value: (float(attention_none - branch_output), float(mlp_none - mlp_matmuls_in_none)),
         RecomputePolicy.FULL.value: (float(attention_none - h * d), float(mlp_none)),
         RecomputePolicy.BLOCK.value: (float(attention_none - h * d), float(mlp_none)),
+        RecomputePolicy.OFFLOAD.value: (float(attention_none - h * d), float(mlp_none)),
+        # The tiled MLP rebuilds its norm and its input whole, its ffn-wide tensors a chunk at a
+        # time (a fixed amount: dcp_compile.tiled_mlp.mlp_chunk_bytes).
+        RecomputePolicy.LEAN.value: (float(attention_none - h * d), float(mlp_none - (4 if gated_mlp else 2) * ffn * d)),
     }
 
 
@@ -288,7 +300,7 @@ def head_activation_bytes(
     """
     rotary_table = float(2 * rotary_dim * dtype_bytes)
     if not vocab_size and not output_channels:
-        return {policy.value: rotary_table if policy in (RecomputePolicy.FULL, RecomputePolicy.BLOCK) else 0.0
+        return {policy.value: rotary_table if policy is RecomputePolicy.FULL or checkpoints_whole_blocks(policy) else 0.0
                 for policy in RecomputePolicy}
     h = hidden_size
     if vocab_size:
@@ -305,6 +317,8 @@ def head_activation_bytes(
         RecomputePolicy.SELECTIVE.value: float(TARGET_BYTES if tiled else matmul_output),
         RecomputePolicy.FULL.value: rotary_table,
         RecomputePolicy.BLOCK.value: rotary_table,
+        RecomputePolicy.OFFLOAD.value: rotary_table,
+        RecomputePolicy.LEAN.value: rotary_table,
     }
 
 

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import dcp_compile as dcp
 from dcp_compile.compiler.passes.recompute import block_of, is_collective
-from dcp_compile.variant import RECOMPUTE_POLICIES, Variant
+from dcp_compile.variant import RECOMPUTE_POLICIES, Variant, checkpoints_whole_blocks
 
 aten = torch.ops.aten
 MATMULS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default, aten.bmm.default}
@@ -77,15 +77,17 @@ def tag(node: fx.Node):
     return node.meta.get("recompute") if node.meta.get("dcp_recompute_tag") else None
 
 
-@pytest.mark.parametrize("policy", [p.value for p in RECOMPUTE_POLICIES if p.value != "block"])
+@pytest.mark.parametrize("policy", [p.value for p in RECOMPUTE_POLICIES if not checkpoints_whole_blocks(p)])
 def test_collectives_are_saved_under_every_policy_but_block(graphs, policy):
     collectives = [n for n in ops(graphs[policy]) if is_collective(n)]
     assert len(collectives) >= 2 * 4  # two attentions' all-to-alls (and their waits)
     assert {tag(n) for n in collectives} == {CheckpointPolicy.MUST_SAVE}
 
 
-def test_block_recomputes_the_collectives_inside_its_blocks_and_saves_the_others(graphs):
-    collectives = [n for n in ops(graphs["block"]) if is_collective(n)]
+@pytest.mark.parametrize("policy", [p.value for p in RECOMPUTE_POLICIES if checkpoints_whole_blocks(p)])
+def test_block_recomputes_the_collectives_inside_its_blocks_and_saves_the_others(graphs, policy):
+    """``offload`` and ``lean`` tag as ``block`` does (they differ at partitioning and in the MLPs)."""
+    collectives = [n for n in ops(graphs[policy]) if is_collective(n)]
     inside = [n for n in collectives if block_of(n) is not None]
     assert len(inside) >= 2 * 4  # two attentions' all-to-alls (and their waits), re-sent in backward
     assert {tag(n) for n in inside} == {CheckpointPolicy.MUST_RECOMPUTE}

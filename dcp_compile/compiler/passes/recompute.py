@@ -17,7 +17,10 @@ backward recomputes what the policy says and keeps the rest:
 * ``block``: ``full``, and the collectives inside each block (its all-to-alls) are recomputed
   too, in the block's region (``MUST_RECOMPUTE``): a block keeps only its input, as
   ``torch.utils.checkpoint`` around the block does, and the compiled backward re-sends the
-  block's forward all-to-alls before its own.
+  block's forward all-to-alls before its own;
+* ``offload`` and ``lean``: tagged as ``block``; what else they do happens later (the kept block
+  inputs offloaded at partitioning, :mod:`dcp_compile.compiler.activation_offload`; the MLPs
+  tiled by ``tile_mlp``).
 
 Under every other policy collective outputs are saved (``MUST_SAVE``): recomputing them re-sends
 the all-to-alls in backward; under ``block`` those outside the blocks (output gathers, a loss's
@@ -46,6 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import SDPA, sdpa_argument
 from dcp_compile.compiler.passes.use_varlen_attention import FLEX_ATTENTION, VARLEN_ATTENTION
+from dcp_compile.variant import checkpoints_whole_blocks
 
 log = logging.getLogger(__name__)
 RECOMPUTE_GRAPH_ID = 4242
@@ -141,11 +145,12 @@ def block_regions(gm: fx.GraphModule) -> dict[str, int]:
 def recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     policy = ctx.recompute
     tagged = 0
-    blocks = block_regions(gm) if policy in ("full", "block") else {}
+    whole_blocks = checkpoints_whole_blocks(policy)  # block, offload, lean
+    blocks = block_regions(gm) if policy == "full" or whole_blocks else {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        if policy == "block" and is_collective(node) and block_of(node) is not None:
+        if whole_blocks and is_collective(node) and block_of(node) is not None:
             # Whole-block checkpointing: the block's collectives (its all-to-alls) run again in
             # backward instead of keeping their outputs. MUST, not PREFER: the min-cut partitioner
             # then has no choice to make about them (it recomputes every MUST_RECOMPUTE node whose
@@ -163,7 +168,7 @@ def recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.meta.get("dcp_recompute_tag"):
             continue  # already ours: collectives and random ops, or a region tagged above
-        if policy in ("full", "block"):
+        if policy == "full" or whole_blocks:
             # One region per block: the partitioner saves what crosses a region boundary (each
             # block's input) and recomputes each block from it in backward, as block
             # checkpointing does; what lies outside the blocks forms one region of its own.

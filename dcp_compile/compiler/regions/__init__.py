@@ -56,6 +56,8 @@ WHOLE_GRAPH_REASONS = {
     RecomputePolicy.BLOCK: ("recomputes whole blocks, their all-to-alls included, and a block spans several "
                             "regions cut at those all-to-alls: run-time checkpointing around each region would "
                             "keep the all-to-alls' outputs"),
+    RecomputePolicy.OFFLOAD: "recomputes whole blocks as block does, and offloads their inputs at partitioning",
+    RecomputePolicy.LEAN: "recomputes whole blocks as block does, and offloads their inputs at partitioning",
 }
 
 
