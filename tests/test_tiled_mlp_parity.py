@@ -1,4 +1,4 @@
-"""``recompute="lean"`` at parity with eager: the MLPs tiled (``dcp::tiled_mlp``), whole blocks
+"""``recompute="lean"`` (and ``offload``) at parity with eager: the MLPs tiled (``dcp::tiled_mlp``), whole blocks
 checkpointed, their inputs offloaded to host memory.
 
 On real gloo ranks (2, and 4 in the slow run; lengths that divide the SP size and that do not, and
@@ -28,9 +28,10 @@ from parity import compare, compiled_run, eager_reference
 CHUNK = 2
 
 
-def _lean_parity_worker(rank: int, world_size: int, names: list[str], lengths: list[int]) -> dict[str, int]:
+def _lean_parity_worker(rank: int, world_size: int, names: list[str], lengths: list[int],
+                        policy: str = "lean") -> dict[str, int]:
     torch.manual_seed(0)
-    variant = dcp.Variant(world_size, "lean")
+    variant = dcp.Variant(world_size, policy)
     problems: list[str] = []
     checked = 0
     for name in names:
@@ -40,7 +41,7 @@ def _lean_parity_worker(rank: int, world_size: int, names: list[str], lengths: l
         compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "aot_eager",
                                                                             "mlp_chunk": CHUNK})
         for length in lengths:
-            where = f"{name}/lean@{length}"
+            where = f"{name}/{policy}@{length}"
             try:
                 with dcp.use(variant):
                     actual = compiled_run(model, compiled, case, case.make_inputs(length))
@@ -53,7 +54,19 @@ def _lean_parity_worker(rank: int, world_size: int, names: list[str], lengths: l
             ran = [r for r in records.variant_records() if r.variant == variant]
             if not any(r.sharded_sites and r.is_sharded for r in ran):
                 problems.append(f"{where}: no attention site ran sharded: {[r.summary() for r in ran]}")
+            # The blocks' kept inputs went to the host (forward) and came back (backward). What
+            # stays is what the partitioner cannot offload (views: HF Llama's RoPE cos and sin).
+            offloaded = [r for r in ran if r.offloaded_activation_bytes > 4 * r.saved_activation_bytes
+                         and "cpu_offload_" in r.forward_graph and "gpu_reload_" in (r.backward_graph or "")]
+            if not offloaded:
+                problems.append(f"{where}: the block inputs were not offloaded: "
+                                f"{[(r.saved_activation_bytes, r.offloaded_activation_bytes) for r in ran]}")
             tiled = [note for r in ran for note in r.tiled_mlps]
+            if policy == "offload":
+                if tiled:
+                    problems.append(f"{where}: offload tiled MLPs: {tiled}")
+                checked += 1
+                continue
             if len(tiled) != 2 or not all(f"over {CHUNK}-token chunks" in note for note in tiled):
                 problems.append(f"{where}: expected its 2 layers' MLPs tiled, got {tiled} "
                                 f"(refused: {[r.untiled_mlps for r in ran]})")
@@ -68,14 +81,25 @@ def _lean_parity_worker(rank: int, world_size: int, names: list[str], lengths: l
     return {"checked": checked}
 
 
-def run_lean_parity(world_size: int, names: list[str], lengths: list[int]) -> None:
-    results = run_in_process_world(_lean_parity_worker, world_size, names, lengths, timeout=1800)
+def run_lean_parity(world_size: int, names: list[str], lengths: list[int], policy: str = "lean") -> None:
+    results = run_in_process_world(_lean_parity_worker, world_size, names, lengths, policy, timeout=1800)
     assert all(result["checked"] == len(names) * len(lengths) for result in results), results
 
 
 def test_gpt_and_llama_on_two_ranks() -> None:
     pytest.importorskip("transformers", reason="the Hugging Face Llama needs `pip install .[hf]`")
     run_lean_parity(2, ["gpt", "hf_llama"], [12, 7])
+
+
+def test_offload_alone_on_two_ranks() -> None:
+    """``offload``: ``block`` with its kept inputs in host memory, the MLPs left whole."""
+    run_lean_parity(2, ["gpt"], [12, 7], policy="offload")
+
+
+@pytest.mark.slow
+def test_offload_alone_on_four_ranks() -> None:
+    pytest.importorskip("transformers", reason="the Hugging Face Llama needs `pip install .[hf]`")
+    run_lean_parity(4, ["gpt", "hf_llama"], [16, 7, 3], policy="offload")
 
 
 @pytest.mark.slow
