@@ -167,8 +167,9 @@ def report(rows: list[dict[str, Any]]) -> str:
               "replicated to 32 (what the all-to-alls deliver), and a layer's backward holds their gradients: "
               "the attention phase of `lean`'s working set is 135 KB per token at SP 32 against 98 KB at SP 8.", "",
               "Host memory: the last column is what a rank's host side holds at that length under the last mode "
-              "(the state's shards and Adam state, and the offloaded block inputs); a DGX H100 has 2 TB for its 8 "
-              "GPUs, 256 GB each. The planner prices the host link's time but does not cap host memory."]
+              "(the state's shards and Adam state, and the offloaded block inputs), within the planner's host cap: "
+              "a node's host memory (`Hardware.host_memory_per_node`, 2 TB on a DGX H100 / H200) over its ranks "
+              "(the world, up to 8)."]
     return "\n".join(lines) + "\n"
 
 

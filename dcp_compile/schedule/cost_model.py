@@ -41,6 +41,7 @@ per-layer overhead) to a short profile in :mod:`.calibration`; the JSON file in
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -200,6 +201,29 @@ class CostModel:
         """Host bytes of model state per rank (the shards of ``sharded_offload``; else 0)."""
         return host_state_bytes(self.profile, self.state_sharding, self.optimizer_shards)
 
+    @property
+    def host_memory_cap(self) -> float:
+        """Host bytes a rank may hold: its node's host memory over the ranks that share it (the
+        world, ``optimizer_shards``, up to a node's GPUs); infinite where the hardware does not
+        say (``Hardware.host_memory_per_node == 0``)."""
+        per_node = self.hardware.host_memory_per_node
+        if not per_node:
+            return math.inf
+        return per_node / min(self.optimizer_shards, self.hardware.gpus_per_node)
+
+    def host_peak(self, lengths: Sequence[int], sp_size: int, recompute: RecomputePolicy | str = "none") -> float:
+        """Host bytes each rank of the group holds while it trains on the micro-batch: the state's
+        shards (``sharded_offload``) and the offloaded block inputs (``offload``, ``lean``)."""
+        per_token = self.profile.host_activation_bytes_per_token(recompute) / sp_size
+        return self.host_state_bytes() + per_token * sum(lengths)
+
+    def _host_token_capacity(self, sp_size: int, recompute: RecomputePolicy | str) -> float:
+        per_token = self.profile.host_activation_bytes_per_token(recompute) / sp_size
+        room = self.host_memory_cap - self.host_state_bytes()
+        if room < 0:
+            return 0
+        return math.inf if not per_token or room == math.inf else int(room / per_token)
+
     def state_round_seconds(self) -> float:
         """Seconds every round costs each rank for the model state's collectives (and, offloaded,
         host copies), scaled as communication; included in every micro-batch's fixed time."""
@@ -261,13 +285,16 @@ class CostModel:
         return self.memory_coefficients(sp_size, recompute).peak(sum(lengths))
 
     def token_capacity(self, sp_size: int, recompute: RecomputePolicy | str, memory_cap: float) -> int:
-        """The most tokens one micro-batch on ``sp_size`` ranks may hold under ``memory_cap`` bytes."""
-        return self.memory_coefficients(sp_size, recompute).token_capacity(memory_cap)
+        """The most tokens one micro-batch on ``sp_size`` ranks may hold under ``memory_cap`` bytes
+        on the device and :attr:`host_memory_cap` on the host."""
+        device = self.memory_coefficients(sp_size, recompute).token_capacity(memory_cap)
+        return int(min(device, self._host_token_capacity(sp_size, recompute)))
 
     def fastest_feasible_recompute(self, tokens: int, sp_size: int, memory_cap: float) -> RecomputePolicy | None:
         """The fastest policy under which ``tokens`` fit on ``sp_size`` ranks, or None."""
         for policy in RECOMPUTE_POLICIES:
-            if self.memory_coefficients(sp_size, policy).peak(tokens) <= memory_cap:
+            if (self.memory_coefficients(sp_size, policy).peak(tokens) <= memory_cap
+                    and self.host_peak([tokens], sp_size, policy) <= self.host_memory_cap):
                 return policy
         return None
 

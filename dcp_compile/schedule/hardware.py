@@ -35,7 +35,9 @@ class Hardware:
     than one packed one. ``host_link_bandwidth`` is one direction of the device's link to host
     memory (PCIe), what FSDP2's ``CPUOffloadPolicy`` copies shards over; ``host_memory_bandwidth``
     is the device's share of its host's DRAM bandwidth, what an optimizer step on the host reads
-    and writes at.
+    and writes at. ``host_memory_per_node`` is a node's host memory, what offloaded optimizer
+    state and offloaded activations (``recompute=offload``, ``lean``) share among the node's
+    ranks; 0 where unknown (no host-memory limit is then applied).
     """
 
     name: str
@@ -50,6 +52,7 @@ class Hardware:
     layer_overhead_s: float = 1e-4
     host_link_bandwidth: float = 50 * GB
     host_memory_bandwidth: float = 75 * GB
+    host_memory_per_node: float = 0.0
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -58,6 +61,8 @@ class Hardware:
         ):
             if getattr(self, field_name) <= 0:
                 raise ValueError(f"Hardware.{field_name} must be positive, got {getattr(self, field_name)!r}")
+        if self.host_memory_per_node < 0:
+            raise ValueError(f"Hardware.host_memory_per_node must be >= 0 (0: unknown), got {self.host_memory_per_node!r}")
         if self.gpus_per_node < 1:
             raise ValueError(f"Hardware.gpus_per_node must be >= 1, got {self.gpus_per_node}")
 
@@ -204,7 +209,8 @@ H200_MEMORY_BYTES = 143_156 * MiB
 # NVIDIA H200 SXM: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e, 141 GB; NVLink 4 (450 GB/s one way) inside
 # an 8-GPU node, one 400 Gb/s InfiniBand NIC per GPU across nodes. Host side (the defaults): PCIe 5.0
 # x16 to the host, 64 GB/s one way raw, about 50 GB/s achieved; a DGX H100/H200's two Xeon 8480C
-# with 8 DDR5-4800 channels each (2 x 307 GB/s) shared by 8 GPUs: about 75 GB/s per GPU.
+# with 8 DDR5-4800 channels each (2 x 307 GB/s) shared by 8 GPUs: about 75 GB/s per GPU, and 2 TB
+# of host memory (the DGX H100 / H200 datasheets' "system memory").
 H200 = Hardware(
     name="H200",
     peak_flops=989e12,
@@ -215,6 +221,7 @@ H200 = Hardware(
     inter_node_bandwidth=50 * GB,
     inter_node_latency=25e-6,
     gpus_per_node=8,
+    host_memory_per_node=2e12,
 )
 # NVIDIA H100 SXM: like the H200 but 3.35 TB/s HBM3 and 80 GB (81,559 MiB as the device reports it).
 H100 = replace(H200, name="H100", memory_bandwidth=3.35e12, memory_capacity=float(H100_MEMORY_BYTES))
