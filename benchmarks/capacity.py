@@ -162,10 +162,9 @@ def report(rows: list[dict[str, Any]]) -> str:
               "offload (`dcp.shard_model`), the tiled loss (every policy but `none`), the checkpoints offloaded to "
               "host memory (`offload`) and the tiled MLP with them (`lean`). The planner takes `offload` and `lean` "
               "only where nothing faster holds a micro-batch: their host copies are priced unoverlapped and "
-              "`lean` runs each MLP's forward once more.", "",
-              "Where the table stays under ALST (Llama-3-8B, 32 H100s): at SP 32 the 8 KV heads reach each rank "
-              "replicated to 32 (what the all-to-alls deliver), and a layer's backward holds their gradients: "
-              "the attention phase of `lean`'s working set is 135 KB per token at SP 32 against 98 KB at SP 8.", "",
+              "`lean` runs each MLP's forward once more. The memory terms of `full`, `block`, `offload` and `lean` "
+              "are within 4.1% of a step's peak measured on a CPU (`memory_peaks_lean_cpu.md`, TinyGPT at SP 1 "
+              "and 2); no GPU has measured these lengths.", "",
               "Host memory: the last column is what a rank's host side holds at that length under the last mode "
               "(the state's shards and Adam state, and the offloaded block inputs), within the planner's host cap: "
               "a node's host memory (`Hardware.host_memory_per_node`, 2 TB on a DGX H100 / H200) over its ranks "

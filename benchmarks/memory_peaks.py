@@ -105,12 +105,20 @@ def predicted_parts(spec: ModelSpec, sp: int, policy: str) -> tuple[float, float
     chunk holds the share) without the model state. Host: what ``offload`` and ``lean`` keep in
     host memory (``host_activation_bytes_per_token * tokens / sp``, the blocks' inputs; 0 for the
     other policies). On a CPU the host and the device are one memory, so the peak measured there
-    is predicted by their sum."""
+    is predicted by their sum, less what the device part prices as copied back from the host (the
+    reloaded block inputs, ``OFFLOAD_RESIDENT_BLOCK_INPUTS`` of them, and the RoPE table): on a CPU
+    ``prims.device_put`` to the CPU returns the very tensor, so those are the host's bytes."""
     from dcp_compile.schedule.analytic import memory_coefficients
+    from dcp_compile.schedule.model_profile import OFFLOAD_RESIDENT_BLOCK_INPUTS
+    from dcp_compile.variant import offloads_block_inputs
 
     profile = profile_of(spec)
     coefficients = memory_coefficients(profile, sp, policy)
     device = coefficients.peak(spec.tokens) - coefficients.fixed_bytes
+    if offloads_block_inputs(policy):
+        reloaded = (OFFLOAD_RESIDENT_BLOCK_INPUTS * profile.activation_bytes_per_token[policy]
+                    + profile.head_activation_bytes_per_token[policy])
+        device -= reloaded * spec.tokens / sp
     return device, profile.host_activation_bytes_per_token(policy) * spec.tokens / sp
 
 
@@ -252,32 +260,20 @@ NOTES = [
      "A quadratic buffer no per-token price can hold: "
      "the kernel, not the model, has to change (a per-block flash kernel that returns the log-sum-exp). "
      "The K/V blocks the ring keeps are priced (tests/test_memory_model.py compares with the compiled graphs)."),
-    ("`block` rows (`memory_peaks_block_cpu.md`, beside `full` at the same points): `block` measures 7-11% under "
-     "`full` (it keeps no all-to-all output) and the model prices it 14-17% over what it measures, where `full` "
-     "is 3-8% over. The model prices `block` as `CostModel(collectives_recomputed=True)` prices the published "
-     "whole-block checkpointing: a block's backward rebuilds `full`'s set plus the all-to-alls' outputs "
-     "(`attention_kept_bytes_per_token(full)`: q, k, v delivered and the output returned), but the rebuilt block "
-     "holds one copy of q, k, v and of the output, as they arrive, in place of the local ones, so the extra is "
-     "`attention_kept_bytes_per_token(none)` (the KV heads' replication only): 2 KiB per token of a rank's share "
-     "here (8 MiB at SP 2, 4 MiB at SP 4), about 1% of Llama-3-8B's at SP 8 and 32. Priced high, not low: a plan "
-     "it admits fits."),
+    ("`block` rows: the model once priced a `block` backward as rebuilding `full`'s set plus the all-to-alls' "
+     "outputs (`attention_kept_bytes_per_token(full)`), 14-17% over what `memory_peaks_block_cpu.md` measured "
+     "(rows measured before the loss was tiled: not repriced); the rebuilt block holds q, k, v and the output as "
+     "they arrive, in place of the local ones, so the extra is `attention_kept_bytes_per_token(none)` (the KV "
+     "heads' replication only), priced so since 2026-12-06: `memory_peaks_lean_cpu.md`'s `block` rows at SP 2 "
+     "read +2% to +4% (they read +17% to +18% before)."),
     ("`offload` and `lean` rows (`memory_peaks_lean_cpu.md`, TinyGPT's 2 layers): on a CPU `prims.device_put` to "
      "the CPU returns the very tensor, so the offload copies do not exist and `offload` measures what `block` does "
-     "(104.3 / 57.1 / 100.2 MiB against 104.3 / 57.1 / 100.5 at 8192 SP 1, 8192 SP 2, 16384 SP 2); the model's "
-     "device + host counts the 2 block inputs (and the RoPE table) it prices as reloaded into device memory a "
-     "second time here (10 MiB at 8192 tokens SP 1, 5 at SP 2): the whole of `offload`'s excess over `block`."),
-    ("Capped terms beside the largest phase (every `full`, `block`, `offload`, `lean` row over-prices, by 10-12% "
-     "for `full`, up to 30% for `block` at SP 2, 74-80% for `lean`): `MemoryCoefficients.peak` adds the tiled "
-     "loss's chunk (16 MiB here; 8 at 4096 tokens SP 2) and, under `lean`, the tiled MLP's (24 MiB a full chunk) "
-     "on top of `backward_working_bytes_per_token`, the largest of the attention's, the MLP's and the head's "
-     "phase; but the loss chunk exists during the head's phase only and the MLP chunk during an MLP's, so each "
-     "belongs inside its phase's term of that max, not beside it. Without the capped terms the same rows read "
-     "block 98.2 / 57.1 / 114.2 MiB and lean (+ host) 76.2 / 46.1 / 92.2 against 104.3 / 57.1 / 100.2 and "
-     "77.5 / 48.5 / 73.4 measured, and at 4096 tokens SP 1 lean 38.1 against 50.3 (-24%): neither the sum nor "
-     "leaving them out is the measured peak. `full` at 4096 tokens (59.3 / 31.8 MiB at SP 1 / 2) is -17% / -14% "
-     "without them, what this benchmark printed before it priced them (it took `bytes_per_token * tokens`), and "
-     "+10% / +12% with them. Lean and block at 16384 tokens SP 2 are over-priced beyond the capped terms too "
-     "(+26% / +14% without them): not investigated."),
+     "(104.3 / 57.1 / 100.2 MiB against 104.3 / 57.1 / 100.5 at 8192 SP 1, 8192 SP 2, 16384 SP 2). The prediction "
+     "here is the device part plus the host part less the reloaded block inputs the device part prices (on a GPU "
+     "they are copies; here they are the host's tensors)."),
+    ("Tiled chunks in their phase: the tiled loss's chunk lives in the head's phase of backward and the tiled "
+     "MLP's in an MLP's (`ModelProfile.backward_phases`, `MemoryCoefficients.phases`); they were once added beside "
+     "the largest phase, which over-priced `full` by 10-12% and `lean` by 74-80% at these points."),
 ]
 
 

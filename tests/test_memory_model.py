@@ -268,7 +268,7 @@ def _benchmark():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sp_size", [1, 2])
-@pytest.mark.parametrize("policy", ["none", "full"])
+@pytest.mark.parametrize("policy", ["none", "full", "lean"])
 def test_measured_peak_is_within_ten_percent_of_the_model(sp_size: int, policy: str) -> None:
     """One step of TinyGPT (4096 tokens, fp32, ``aot_eager``) in a fresh process: its activation
     peak (``VmHWM`` after the step less ``VmRSS`` before it, with freed blocks leaving the resident
@@ -281,7 +281,7 @@ def test_measured_peak_is_within_ten_percent_of_the_model(sp_size: int, policy: 
     bench = _benchmark()
     spec = bench.ModelSpec(**{**bench.MODELS["tinygpt"].__dict__, "tokens": 4096})
     row = bench.with_prediction(bench.run_point(spec, sp_size, policy, "aot_eager", timeout=600))
-    assert row["measured"] > 32 * MiB, row  # activations dominate the step
+    assert row["measured"] > 32 * MiB / sp_size, row  # activations dominate the step
     assert abs(row["error"]) <= 0.10, row
 
 
@@ -289,21 +289,26 @@ def test_the_tiled_loss_holds_a_share_up_to_one_chunk_and_capacity_solves_both_s
     """A rank's tiled loss holds its whole share of logits where the share is under a chunk and one
     chunk beyond: short micro-batches are not charged a whole chunk (the demo's 600-token shares
     against a 4,096-token chunk), long ones are charged no more than one (Llama-3-8B's default chunk:
-    837 tokens)."""
-    from dcp_compile.schedule.analytic import MemoryCoefficients
-
+    837 tokens). The chunk lives in the head's phase of backward only: it adds to the peak where
+    the head's phase with it is the largest (each phase is checked by itself)."""
     profile = ModelProfile.from_config("llama-3-8b")
     sp = 8
     chunk = profile.loss_chunk_bytes("full")
     full = memory_coefficients(profile, sp, "full", optimizer_shards=sp)
     untiled = ModelProfile.transformer("llama-3-8b", **dict(preset_shape("llama-3-8b")[1], loss_chunk_tokens=0))
     assert full.capped_tokens == 837 * sp
+    names = [phase.name for phase in profile.backward_phases("full", sp)]
+    head = full.phases[names.index("head")]
+    others = [phase for name, phase in zip(names, full.phases) if name != "head"]
+    assert all(not phase.capped for phase in others) and full.capped == ()
     share = 500  # tokens per rank, under a chunk
-    assert full.peak(share * sp) - MemoryCoefficients(full.fixed_bytes, full.bytes_per_token).peak(share * sp) == pytest.approx(
-        chunk * share / 837)
+    assert head.bytes(share * sp) - head.bytes_per_token * share * sp == pytest.approx(chunk * share / 837)
     for tokens in (837 * sp, 100_000 * sp):  # a chunk and beyond: one chunk
-        assert full.peak(tokens) - MemoryCoefficients(full.fixed_bytes, full.bytes_per_token).peak(tokens) == pytest.approx(chunk)
-    assert memory_coefficients(untiled, sp, "full", optimizer_shards=sp).capped_bytes_per_token == 0
+        assert head.bytes(tokens) - head.bytes_per_token * tokens == pytest.approx(chunk)
+        kept = full.bytes_per_token - max(phase.bytes_per_token for phase in full.phases)
+        assert full.peak(tokens) == pytest.approx(full.fixed_bytes + kept * tokens
+                                                  + max(phase.bytes(tokens) for phase in full.phases))
+    assert all(not phase.capped for phase in memory_coefficients(untiled, sp, "full", optimizer_shards=sp).phases)
     for cap in (full.peak(400 * sp), full.peak(300_000)):  # a capacity under a chunk's tokens and one over
         tokens = full.token_capacity(cap)
         assert full.peak(tokens) <= cap < full.peak(tokens + 1)

@@ -31,7 +31,7 @@ Deviations, from the run (``simulated  published  deviation``; none within +-25%
     video balanced         bucket-parallel   3.45  1.16 +197%
     video balanced         dcp-inter         4.59  2.06 +123%
     video long-dominated   bucket-parallel   3.62  1.54 +135%
-    video long-dominated   dcp-inter         4.58  1.97 +133%
+    video long-dominated   dcp-inter         4.60  1.97 +133%
 
 Why, as far as we can name it: the level (2.3-4.0x the published figures) is the datasheet
 efficiencies, far above what the published stack reaches on a width-1152 DiT; only a profile of

@@ -206,51 +206,72 @@ class CappedTerm:
 
 
 @dataclass(frozen=True)
+class WorkingPhase:
+    """One phase of backward as :class:`MemoryCoefficients` prices it: bytes per token of the
+    micro-batch (already divided by the SP size) and the capped terms alive in it only."""
+
+    bytes_per_token: float
+    capped: tuple[CappedTerm, ...] = ()
+
+    def bytes(self, tokens: float) -> float:
+        return self.bytes_per_token * tokens + sum(term.bytes_per_token * min(tokens, term.tokens) for term in self.capped)
+
+
+@dataclass(frozen=True)
 class MemoryCoefficients:
-    """``peak_memory = fixed_bytes + bytes_per_token * tokens + sum(term.bytes_per_token *
-    min(tokens, term.tokens) for term in capped)`` (tokens of the whole micro-batch, already
-    divided by the SP size inside the per-token terms). The capped terms are the tiled loss's
-    chunk and the tiled MLP's."""
+    """``peak_memory(tokens) = fixed_bytes + kept * tokens + sum(capped terms) + max(phase.bytes(tokens))``
+    (tokens of the whole micro-batch, already divided by the SP size inside the per-token terms).
+
+    ``bytes_per_token`` is the slope at long lengths: what is kept and the largest phase's
+    per-token bytes (``kept`` is ``bytes_per_token`` less that largest phase slope). The capped
+    terms grow with the tokens up to a bound and then stay: a tiled op's chunk, which holds a
+    rank's whole share up to one chunk; one alive in every phase is in ``capped``, one alive in a
+    single phase (the tiled loss's in the head's, the tiled MLP's in an MLP's) in that phase.
+    Without phases: ``fixed_bytes + bytes_per_token * tokens + sum(capped terms)``."""
 
     fixed_bytes: float
     bytes_per_token: float
     capped: tuple[CappedTerm, ...] = ()
+    phases: tuple[WorkingPhase, ...] = ()
 
     @property
     def capped_bytes_per_token(self) -> float:
-        """The first capped term's slope (the tiled loss's, where there is one); 0 without."""
-        return self.capped[0].bytes_per_token if self.capped else 0.0
+        """The first capped term's slope, in every phase or in one; 0 without."""
+        terms = self.capped or tuple(term for phase in self.phases for term in phase.capped)
+        return terms[0].bytes_per_token if terms else 0.0
 
     @property
     def capped_tokens(self) -> float:
-        return self.capped[0].tokens if self.capped else 0.0
+        terms = self.capped or tuple(term for phase in self.phases for term in phase.capped)
+        return terms[0].tokens if terms else 0.0
 
     def peak(self, tokens: float) -> float:
-        return (self.fixed_bytes + self.bytes_per_token * tokens
+        kept = self.bytes_per_token
+        working = 0.0
+        if self.phases:
+            kept -= max(phase.bytes_per_token for phase in self.phases)
+            working = max(phase.bytes(tokens) for phase in self.phases)
+        return (self.fixed_bytes + kept * tokens + working
                 + sum(term.bytes_per_token * min(tokens, term.tokens) for term in self.capped))
 
     def token_capacity(self, memory_cap: float) -> int:
         """The most tokens whose :meth:`peak` is within ``memory_cap`` (0 where none fit): the peak
-        is piecewise linear, its slope dropping at each capped term's bound; walk the pieces."""
-        room = memory_cap - self.fixed_bytes
-        if room <= 0:
+        grows with the tokens (piecewise linear), so search it."""
+        if self.peak(0) > memory_cap:
             return 0
-        start, used = 0.0, 0.0
-        tokens = math.inf
-        for bound in sorted({term.tokens for term in self.capped}) + [math.inf]:
-            slope = self.bytes_per_token + sum(term.bytes_per_token for term in self.capped if term.tokens > start)
-            reach = start + (room - used) / slope if slope else math.inf
-            if reach <= bound:
-                tokens = reach
-                break
-            used += slope * (bound - start)
-            start = bound
-        if tokens == math.inf:
+        if self.bytes_per_token <= 0:
             raise ValueError("a micro-batch that costs no memory per token has no token capacity")
-        tokens = int(tokens)
-        while tokens > 0 and self.peak(tokens) > memory_cap:  # guard float rounding
-            tokens -= 1
-        return tokens
+        high = max(1, int((memory_cap - self.fixed_bytes) / self.bytes_per_token) + 1)
+        while self.peak(high) <= memory_cap:  # past every capped term the slope is bytes_per_token
+            high *= 2
+        low = 0  # peak(low) fits, peak(high) does not
+        while high - low > 1:
+            middle = (low + high) // 2
+            if self.peak(middle) <= memory_cap:
+                low = middle
+            else:
+                high = middle
+        return low
 
 
 class ScoreLayout(Enum):
@@ -362,11 +383,13 @@ def memory_coefficients(
     recompute = RecomputePolicy.parse(recompute)
     static = model_state_bytes(profile, state_sharding, optimizer_shards) + reserved_bytes
     saved = profile.saved_activation_bytes_per_token(recompute, sp_size, collectives_recomputed)
-    working = profile.backward_working_bytes_per_token(recompute, sp_size, collectives_recomputed)
-    capped = []
-    for chunk_bytes, chunk in ((profile.loss_chunk_bytes(recompute), profile.loss_chunk_tokens),
-                               (profile.mlp_chunk_bytes(recompute), profile.mlp_chunk_tokens())):
-        if chunk_bytes:
-            chunk_tokens = chunk * sp_size  # a micro-batch's tokens at which each share fills a chunk
-            capped.append(CappedTerm(chunk_bytes / chunk_tokens, chunk_tokens))
-    return MemoryCoefficients(static, (saved + working) / sp_size, tuple(capped))
+    phases = profile.backward_phases(recompute, sp_size, collectives_recomputed)
+    working = []
+    for phase in phases:
+        capped = ()
+        if phase.chunk_bytes:
+            chunk_tokens = phase.chunk_tokens * sp_size  # a micro-batch's tokens at which each share fills a chunk
+            capped = (CappedTerm(phase.chunk_bytes / chunk_tokens, chunk_tokens),)
+        working.append(WorkingPhase(phase.bytes_per_token / sp_size, capped))
+    slope = (saved + max(phase.bytes_per_token for phase in phases)) / sp_size
+    return MemoryCoefficients(static, slope, (), tuple(working))

@@ -15,6 +15,9 @@ very steps they are then measured on, DCP is not tuned at all):
 * what a skilled user picks on this runtime (:mod:`.user_baselines`): ``static-sp+recompute`` at
   every SP size that holds the longest sample, ``packed-static-cp`` (Megatron Core's packing) at
   every such size, ``dynamic-cp`` (Megatron Core) over its recompute policy and per-rank threshold.
+* ``fixed-lean``: the setup that trains the longest sample with the lean memory policies on every
+  micro-batch, as ALST (arXiv 2506.13996) runs: static SP at every size that holds the longest
+  sample under ``recompute=lean``, every micro-batch under ``lean``, best-fit packing.
 
 :func:`ablation` builds the ladder that splits DCP's gain into its three choices.
 
@@ -30,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol, Sequence
 
-from dcp_compile.variant import RECOMPUTE_POLICIES
+from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy
 
 from .cost_model import CostModel
 from .plan import Schedule
@@ -40,10 +43,10 @@ from .step_time import step_time
 from .user_baselines import DYNAMIC_CP_THRESHOLD_SHARES, BalancedStaticSP, PackedStaticCP, dynamic_cp_at_share
 
 __all__ = ["ABLATION_RUNGS", "BASELINE_FAMILIES", "MIXED_PACKING_FAMILIES", "Budget", "PlannerScheduler", "Scheduler",
-           "ablation", "contenders", "tune"]
+           "ablation", "contenders", "fixed_lean", "tune"]
 
 BASELINE_FAMILIES = ("static-sp", "bucket-parallel", "dcp-inter", "static-sp+recompute", "packed-static-cp",
-                     "dynamic-cp")
+                     "dynamic-cp", "fixed-lean")
 # Families whose micro-batches pack samples of mixed lengths into one row (Megatron Core's packing
 # and dynamic CP): a model that runs one call per sample shape cannot train them as designed.
 MIXED_PACKING_FAMILIES = ("packed-static-cp", "dynamic-cp")
@@ -105,6 +108,25 @@ def feasible_sizes(budget: Budget, max_length: int) -> list[int]:
     return sizes
 
 
+def fixed_lean(budget: Budget, max_length: int) -> list[Scheduler]:
+    """ALST's way (arXiv 2506.13996): one SP size, the lean policies on every micro-batch; one
+    configuration per SP size whose group holds the longest sample under ``lean``."""
+    schedulers: list[Scheduler] = []
+    size = 1
+    while size <= budget.world_size:
+        try:
+            scheduler = BalancedStaticSP(budget.cost_model, budget.world_size, budget.memory_cap, size, max_length,
+                                         per_microbatch_recompute=False, policies=(RecomputePolicy.LEAN,),
+                                         pack_equal_lengths_only=budget.pack_equal_lengths_only)
+        except ValueError:  # the longest sample does not fit this size even under lean
+            size *= 2
+            continue
+        scheduler.name = f"fixed-lean sp{size}"
+        schedulers.append(scheduler)
+        size *= 2
+    return schedulers
+
+
 def contenders(budget: Budget, max_length: int) -> dict[str, list[Scheduler]]:
     """Every family's configurations under ``budget`` for a dataset whose longest sample has
     ``max_length`` tokens (a family no configuration of which can train it is left out, and so are
@@ -126,6 +148,7 @@ def contenders(budget: Budget, max_length: int) -> dict[str, list[Scheduler]]:
     sizes = feasible_sizes(budget, max_length)
     families["static-sp+recompute"] = [BalancedStaticSP(model, world, cap, s, max_length, pack_equal_lengths_only=equal_only)
                                        for s in sizes]
+    families["fixed-lean"] = fixed_lean(budget, max_length)
     if equal_only:
         return {name: members for name, members in families.items() if members}
     families["packed-static-cp"] = [PackedStaticCP(model, world, cap, s, max_length) for s in sizes]

@@ -27,6 +27,19 @@ OFFLOAD_RESIDENT_BLOCK_INPUTS = 2
 
 
 @dataclass(frozen=True)
+class BackwardPhase:
+    """One phase of backward (a layer's attention, a layer's MLP, the head): bytes per token of a
+    rank's share it holds on top of what is kept, and the chunk of a tiled op alive in it (the
+    tiled loss's in the head's, the tiled MLP's in an MLP's): a rank's whole share up to
+    ``chunk_tokens``, ``chunk_bytes`` beyond."""
+
+    name: str
+    bytes_per_token: float
+    chunk_bytes: float = 0.0
+    chunk_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class ModelProfile:
     """What the cost model needs to know about one transformer, per token.
 
@@ -304,7 +317,16 @@ class ModelProfile:
         self, recompute: RecomputePolicy | str, sp_size: int = 1, collectives_recomputed: bool = False,
     ) -> float:
         """Bytes per token of a rank's share that backward holds *on top of* what is kept
-        (:meth:`saved_activation_bytes_per_token`), at its largest.
+        (:meth:`saved_activation_bytes_per_token`), at its largest: the largest per-token part of
+        :meth:`backward_phases` (a tiled op's chunk is a fixed amount, apart)."""
+        return max(phase.bytes_per_token for phase in self.backward_phases(recompute, sp_size, collectives_recomputed))
+
+    def backward_phases(
+        self, recompute: RecomputePolicy | str, sp_size: int = 1, collectives_recomputed: bool = False,
+    ) -> tuple[BackwardPhase, ...]:
+        """What backward holds on top of what is kept, phase by phase (a layer's attention, a
+        layer's MLP, the head): the peak is the largest, and a tiled op's chunk counts only in
+        its own phase (the loss's in the head's, the MLP's in an MLP's).
 
         Backward runs the head first, then the layers one at a time; each phase holds what it
         rebuilds and the activation gradients alive while it runs, and the peak is the largest:
@@ -350,8 +372,12 @@ class ModelProfile:
         whole_block = recompute is RecomputePolicy.FULL or resent
         if sp_size > 1 and recompute != RecomputePolicy.NONE:
             if resent:
-                # Whole-block checkpointing re-sends the all-to-alls: their outputs are rebuilt too.
-                attention_rebuilt += self.attention_kept_bytes_per_token(RecomputePolicy.FULL, sp_size)
+                # Whole-block checkpointing re-sends the all-to-alls: the rebuilt block holds q, k, v
+                # and the attention output as they arrive, in place of the local ones it rebuilds at
+                # SP 1, so what it holds beyond SP 1's set is what `none` keeps beyond it: the KV
+                # heads' replication (and a ring's received blocks). Measured on CPU:
+                # benchmarks/results/memory_peaks_lean_cpu.md (priced with the FULL set before: +15-23%).
+                attention_rebuilt += self.attention_kept_bytes_per_token(RecomputePolicy.NONE, sp_size)
             elif layout.ring > 1 and recompute == RecomputePolicy.ATTENTION:
                 attention_rebuilt = 0.0  # `attention` does not reach a ring site (see attention_kept_bytes_per_token)
             else:
@@ -387,6 +413,7 @@ class ModelProfile:
         if whole_block:
             head_rebuilt += block_rebuilt + mlp_rebuilt
         head_phase = head_rebuilt + (0.0 if tiled else self.output_bytes_per_token)
+        loss_chunk = self.loss_chunk_bytes(recompute)
         residual_gradient = dtype * h
         # offload, lean: the block input a block's backward reads, copied back, and the next one,
         # prefetched (and what the blocks read from outside, a RoPE table).
@@ -394,7 +421,13 @@ class ModelProfile:
         if offloads_block_inputs(recompute):
             reloaded = (OFFLOAD_RESIDENT_BLOCK_INPUTS * self.activation_bytes_per_token[recompute]
                         + self.head_activation_bytes_per_token[recompute])
-        return float(residual_gradient + reloaded + max(attention_phase, mlp_phase, head_phase))
+        alive = residual_gradient + reloaded  # through every phase
+        mlp_chunk = self.mlp_chunk_bytes(recompute)
+        return (
+            BackwardPhase("attention", float(alive + attention_phase)),
+            BackwardPhase("mlp", float(alive + mlp_phase), mlp_chunk, self.mlp_chunk_tokens() if mlp_chunk else 0),
+            BackwardPhase("head", float(alive + head_phase), loss_chunk, self.loss_chunk_tokens if loss_chunk else 0),
+        )
 
     @staticmethod
     def priced_policy(recompute: RecomputePolicy | str, collectives_recomputed: bool = False) -> RecomputePolicy:
