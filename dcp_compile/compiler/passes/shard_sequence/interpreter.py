@@ -22,7 +22,7 @@ from dcp_compile.compiler.passes.find_attention import SDPA
 from dcp_compile.compiler.passes.sequence_dims import VIEWS, GridRegion, Role, SequenceAnalysis, SequenceDim, expression
 from dcp_compile.compiler.passes.sequence_dims.registry import METADATA_READS
 from dcp_compile.compiler.passes.sequence_dims.inplace_writes import alias_groups
-from dcp_compile.compiler.passes.shard_sequence.lowerings import LOWERINGS, CannotShard, GatherRecord
+from dcp_compile.compiler.passes.shard_sequence.lowerings import LOWERINGS, CannotShard, GatherRecord, WriteRefused
 from dcp_compile.compiler.passes.shard_sequence.plan import ShardPlan
 from dcp_compile.compiler.sequence_chunks import chunk_start
 from dcp_compile.compiler.symbolic_sizes import SymbolicSizes, UnknownSymbol
@@ -120,8 +120,12 @@ def _output_tail(gm: fx.GraphModule) -> set[fx.Node]:
 
 
 class ShardingInterpreter(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, ctx: PassContext, analysis: SequenceAnalysis, plan: ShardPlan):
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext, analysis: SequenceAnalysis, plan: ShardPlan,
+                 refused_writes: dict[fx.Node, str] | None = None):
         super().__init__(gm)
+        # Members of written buffers whose write found no chunked form on an earlier trace
+        # (``WriteRefused``): they run on the full sequence, their inputs gathered with the reason.
+        self.refused_writes: dict[fx.Node, str] = dict(refused_writes or {})
         self.ctx, self.analysis, self.plan = ctx, analysis, plan
         self.sp_size, self.rank, self.group = ctx.sp_size, ctx.rank, ctx.group_name
         self.full: dict[fx.Node, Any] = {}
@@ -145,7 +149,14 @@ class ShardingInterpreter(fx.Interpreter):
         self.grid_windows: dict[fx.Node, Any] = {}  # grid entry -> outermost steps in this rank's window
         # Buffers written in place on chunks (see sequence_dims/inplace_writes): write -> its
         # alias group, whose full copies (gathered before the write) go stale when it runs.
-        self.write_groups = {write: group.members for group in alias_groups(gm.graph) for write in group.writes}
+        groups = alias_groups(gm.graph)
+        self.write_groups = {write: group.members for group in groups for write in group.writes}
+        order = {node: index for index, node in enumerate(gm.graph.nodes)}
+        # write -> the members of its buffer up to the buffer's last write (views taken later only read it)
+        self.written_prefix = {write: frozenset(m for m in group.members
+                                                if order[m] <= max(order[w] for w in group.writes)
+                                                and m.op not in ("placeholder", "get_attr"))
+                               for group in groups for write in group.writes}
         self.written = frozenset().union(*self.write_groups.values()) if self.write_groups else frozenset()
 
     # --- layout conversions --------------------------------------------------------------
@@ -361,6 +372,10 @@ class ShardingInterpreter(fx.Interpreter):
                 return value
             if n.op == "output":
                 return self._output(n)
+            if n in self.refused_writes:
+                value = self.run_full(n, reason=self.refused_writes[n])
+                self.full[n] = value
+                return value
             if n in self.analysis.region_members and n in self.plan.sharded_nodes:
                 return None  # runs on the rank's heads when its region's output is reached
             if n in self.plan.sharded_nodes:
@@ -368,11 +383,11 @@ class ShardingInterpreter(fx.Interpreter):
                     value = self._run_sharded(n)
                 except (CannotShard, UnknownSymbol) as why:
                     if n in self.write_groups:
-                        # On gathered copies the write would never reach the buffer's chunk.
-                        raise RuntimeError(
-                            f"dcp: the in-place write {describe_node(n)} cannot run on this rank's chunk ({why}) "
-                            "and would be lost on a gathered copy; write out of place (torch.where, cat, "
-                            "slice_scatter) or report this model") from None
+                        # On a gathered copy the write would never reach the buffer's chunk: the
+                        # pass re-traces with the whole buffer, up to its last write, run full.
+                        raise WriteRefused(self.written_prefix[n], (
+                            f"the in-place write {describe_node(n)} has no chunked form ({why}): its buffer "
+                            "runs on the full sequence")) from None
                     # No rule fits this op on chunks: gather its inputs, run it full, and let its
                     # consumers take their chunks of the result. The rest stays sharded.
                     self.local_fallbacks.append(f"{n.name} ({_op_label(n)}): {why}")

@@ -24,6 +24,19 @@ class CannotShard(Exception):
     """The graph uses a pattern the sharding pass does not handle; it will run unsharded."""
 
 
+class WriteRefused(Exception):
+    """An in-place write the analysis kept on chunks has no chunked form in this trace.
+
+    On a gathered copy the write would never reach the buffer's chunk, so the op alone cannot fall
+    back; the sharding pass re-traces with the whole buffer up to its last write (``members``) on
+    the full sequence instead, each member's inputs gathered with ``reason`` (default deny: a
+    gather with a reason, never a compile error)."""
+
+    def __init__(self, members: frozenset[fx.Node], reason: str) -> None:
+        super().__init__(reason)
+        self.members, self.reason = members, reason
+
+
 @dataclass
 class GatherRecord:
     """An all-gather of ``node`` before ``op``; every one says why (issue 24: never a silent gather)."""
