@@ -87,7 +87,10 @@ def rivals(name: str, world: int, fraction: float, lengths: list[int]):
 
 
 def fits(model: CostModel, schedule: Schedule, lengths: list[int], cap: float) -> bool:
+    """Every micro-batch within the device's cap and the host's (offload and lean keep block inputs there)."""
     return all(model.peak_memory([lengths[p] for p in mb.positions], mb.sp_size, mb.recompute) <= cap * (1 + 1e-12)
+               and model.host_peak([lengths[p] for p in mb.positions], mb.sp_size, mb.recompute)
+               <= model.host_memory_cap * (1 + 1e-12)
                for mb in schedule.microbatches)
 
 
@@ -139,11 +142,13 @@ def test_planner_never_loses_to_the_baselines_and_fits_many_steps(seed, distribu
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "cap monotonicity is not guaranteed by construction: after the restarts on restricted tables, about 0.5-1% "
-    "of random cap pairs (1-40 sequences, 8-16 ranks) still plan up to ~5% slower under the larger cap "
-    "(before them: ~2% of pairs, up to 12%); the quick test above passes on its fixed examples"))
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.xfail(strict=True, reason=(
+    "a known defect (issue 37 item 6): cap monotonicity is not guaranteed by construction: after the restarts on "
+    "restricted tables, about 0.5-1% of random cap pairs (1-40 sequences, 8-16 ranks) still plan up to ~5% slower "
+    "under the larger cap (before them: ~2% of pairs, up to 12%); the quick test above passes on its fixed "
+    "examples. Derandomized, so it fails the same way every run, and an XPASS (the defect gone) fails the suite "
+    "until this mark goes"))
+@settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(**steps)
 def test_larger_cap_is_never_slower_many_steps(seed, distribution, world, count, pair) -> None:
     check_step(seed, distribution, world, count, _pair(distribution, pair))
@@ -152,8 +157,9 @@ def test_larger_cap_is_never_slower_many_steps(seed, distribution, world, count,
 def test_report_gap_to_lower_bound() -> None:
     """The gap statistic of the steps above (printed; the bound is loose on small steps: it counts
     no fixed cost and assumes perfect balance)."""
-    if not GAPS:
-        pytest.skip("run with the property tests")
+    if not GAPS:  # run alone: plan a few fixed steps for the statistic
+        for seed in range(6):
+            check_step(seed, sorted(DISTRIBUTIONS)[seed % len(DISTRIBUTIONS)], 8, 5 + 6 * seed, (0, 0), monotone=False)
     print(f"\nplanner gap to lower bound over {len(GAPS)} plans: mean {statistics.mean(GAPS):.3f}, "
           f"median {statistics.median(GAPS):.3f}, max {max(GAPS):.3f}")
     assert min(GAPS) >= -1e-9  # the bound is a bound

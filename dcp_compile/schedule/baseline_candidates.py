@@ -1,7 +1,7 @@
 """The planner never loses to a plan it could have made: the user baselines' plans as candidates.
 
-Static SP at one size with per-micro-batch recompute and Megatron's dynamic CP
-(:mod:`.user_baselines`) make plans that lie inside the planner's search space (aligned blocks,
+Static SP at one size with per-micro-batch recompute or one policy for all (the fixed lean setup
+ALST runs among them), Megatron's packed static CP and dynamic CP (:mod:`.user_baselines`) make plans that lie inside the planner's search space (aligned blocks,
 the same policies, the same cap), but its heuristics do not always find them: long text at 8
 ranks planned 1-2% slower than static SP 8. So after planning, each such plan is made too, and the
 fastest is kept. A candidate is only built when a lower bound on its makespan (its sequences'
@@ -21,7 +21,9 @@ from dcp_compile.variant import RECOMPUTE_POLICIES
 from .analytic import ScoreLayout
 from .plan import Schedule
 from .plan_tables import EPSILON
-from .user_baselines import DYNAMIC_CP_THRESHOLD_SHARES, BalancedStaticSP, DynamicCP, dynamic_cp_at_share, gpus_needed
+from .user_baselines import (
+    DYNAMIC_CP_THRESHOLD_SHARES, BalancedStaticSP, DynamicCP, PackedStaticCP, dynamic_cp_at_share, gpus_needed,
+)
 
 if TYPE_CHECKING:
     from .planner import Planner
@@ -85,6 +87,22 @@ def best_of_baselines(planner: "Planner", schedule: Schedule, lengths: Sequence[
             candidates.append(lambda level=level: BalancedStaticSP(
                 planner.cost_model, world, planner.memory_cap, planner.sizes[level], longest,
                 pack_equal_lengths_only=config.pack_equal_lengths_only, **restrictions))
+            # One policy for every micro-batch, packed up to what that policy holds: fewer, larger
+            # micro-batches than the fastest policy's, which wins where each micro-batch pays a
+            # large fixed cost (a ZeRO-3 round: the state's all-gathers, host copies when offloaded).
+            # The fixed lean setup (ALST's) and Megatron's packed static CP are such plans.
+            # Two such policies a level: the fastest that holds the longest sequence (what a user
+            # fixes) and the one that holds the most (the largest packs); each is a plan to make.
+            holding = [p for p in planner.allowed_policies if planner.capacity[level][RECOMPUTE_POLICIES.index(p)] >= longest]
+            roomiest = max(holding, key=lambda p: planner.capacity[level][RECOMPUTE_POLICIES.index(p)], default=None)
+            for policy in dict.fromkeys(holding[:1] + ([roomiest] if roomiest is not None else [])):
+                candidates.append(lambda level=level, policy=policy: BalancedStaticSP(
+                    planner.cost_model, world, planner.memory_cap, planner.sizes[level], longest,
+                    per_microbatch_recompute=False, pack_equal_lengths_only=config.pack_equal_lengths_only,
+                    policies=(policy,), max_tokens_per_rank=config.max_tokens_per_rank))
+                if not config.pack_equal_lengths_only and config.max_tokens_per_rank is None:
+                    candidates.append(lambda level=level, policy=policy: PackedStaticCP(
+                        planner.cost_model, world, planner.memory_cap, planner.sizes[level], longest, recompute=policy))
     if not config.pack_equal_lengths_only and len(allowed_levels) == planner.levels:
         for share in DYNAMIC_CP_THRESHOLD_SHARES:  # the thresholds a user tries (comparison.py tunes over them)
             candidates.append(lambda share=share: dynamic_cp_at_share(
