@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-import dcp_compile as dcp
 from dcp_compile.demo.example_models import TinyGPT
 
 

@@ -126,7 +126,7 @@ def test_a_gather_links_to_the_model_line_that_caused_it(zoo_reports):
     variant = report["record"].variant_records()[0]
     assert len(variant.gathers) == 1  # the unpatchify
     page = report["html"]
-    assert f"class='op r-gathered'" in page
+    assert "class='op r-gathered'" in page
     source_lines, first = inspect.getsourcelines(ZOO["dit"].factory.forward)
     reshape = next(first + i for i, line in enumerate(source_lines) if "x.view(B, H // 2" in line)  # unpatchify
     assert f"model_zoo.py:{reshape} in forward" in page

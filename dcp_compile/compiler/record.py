@@ -170,9 +170,12 @@ class GraphRecord:
             if variant.saved_activation_bytes is not None:
                 rng = f" + {variant.saved_rng_state_bytes} bytes of RNG state for recomputation" if variant.saved_rng_state_bytes else ""
                 lines.append(f"    activations saved for backward: {variant.saved_activation_bytes} bytes{rng} (symbolic sizes at the traced length)")
+                if variant.offloaded_activation_bytes:
+                    lines.append(f"    and in host memory until backward: {variant.offloaded_activation_bytes} bytes "
+                                 "(the blocks' inputs, recompute=offload/lean)")
             lines.append("    passes: " + ", ".join(f"{p.name} ({p.seconds * 1000:.0f} ms)" for p in variant.passes))
         if self.dispatches:
-            lines.append(f"  last dispatches (length -> variant, by what): "
+            lines.append("  last dispatches (length -> variant, by what): "
                          + "; ".join(f"{length}->{key} ({why})" for length, key, why in list(self.dispatches)[-5:]))
         return "\n".join(lines)
 

@@ -7,9 +7,12 @@ import dataclasses
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from dcp_compile.variant import Variant
+
+if TYPE_CHECKING:  # annotations only: importing the package changes nothing in torch
+    import torch
 
 @dataclass(frozen=True)
 class Bucket:

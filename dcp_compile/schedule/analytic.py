@@ -21,7 +21,6 @@ Model state (:class:`StateSharding`): where parameters, gradients and optimizer 
 
 from __future__ import annotations
 
-import math
 
 from dataclasses import dataclass
 from enum import Enum

@@ -14,7 +14,6 @@ from typing import Collection
 
 from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy
 
-from .analytic import ScoreLayout
 from .cost_model import CostModel
 
 log = logging.getLogger(__name__)

@@ -57,7 +57,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy
+from dcp_compile.variant import RecomputePolicy
 
 from .cost_model import CostModel
 from .plan import Schedule, ScheduledMicroBatch

@@ -13,7 +13,6 @@ the same attention, exactly, at every length the graph serves. Anything else is 
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Any, Iterable
 
 import sympy

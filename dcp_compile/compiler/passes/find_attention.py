@@ -11,7 +11,6 @@ becomes SDPA's ``scale``, an additive mask its ``attn_mask``, dropout its ``drop
 from __future__ import annotations
 
 import logging
-import math
 import operator
 import warnings
 from dataclasses import dataclass
