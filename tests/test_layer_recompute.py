@@ -12,9 +12,11 @@ from dcp_compile.variant import RecomputePolicy
 
 STDIT = ModelProfile.from_config("stdit3-xl/2")
 BUCKETS = [(144, 72.5), (4320, 1000.0), (24300, 1500.0), (108000, 1850.0)]
+# About 30 s a bucket on 2 cores: one in the quick tier, the others slow (CI's time budget).
+CASES = [BUCKETS[1]] + [pytest.param(*bucket, marks=pytest.mark.slow) for bucket in BUCKETS if bucket != BUCKETS[1]]
 
 
-@pytest.mark.parametrize("length,span", BUCKETS)
+@pytest.mark.parametrize("length,span", CASES)
 def test_our_mix_is_no_slower_than_the_pyramid_and_fits(length: int, span: float) -> None:
     scheduler = DCPInterScheduler(CostModel(STDIT, Hardware.H100, optimizer_shards=32), 32)
     model = scheduler.cost_model  # block checkpointing, as the published system runs

@@ -261,6 +261,7 @@ def test_strided_write_family_shards_or_gathers_with_a_reason_never_raises() -> 
             assert result["gathers"] == [], result  # a write along another dim stays on chunks
 
 
+@pytest.mark.slow
 def test_diffusers_wan_rotary_write_stays_sharded_at_even_and_odd_token_counts() -> None:
     """The real ``WanTransformer3DModel`` (the zoo's tiny random config) at SP 2, 60 and 105 tokens:
     parity with eager, every attention site sharded, and the one gather its unpatchify's, none

@@ -195,7 +195,7 @@ KINDS = {"gpt": "gated silu MLP of width 64", "hf_llama": "gated silu MLP of wid
          "dit": "gelu_tanh MLP of width 128"}
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("name", [n if n != "dit" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(EXPECTED)])
 def test_one_mlp_per_layer_under_lean_and_none_under_block(name: str) -> None:
     if ZOO[name].requires and not HAS_TRANSFORMERS:
         pytest.skip("the Hugging Face Llama needs `pip install .[hf]`")
