@@ -105,20 +105,14 @@ def predicted_parts(spec: ModelSpec, sp: int, policy: str) -> tuple[float, float
     chunk holds the share) without the model state. Host: what ``offload`` and ``lean`` keep in
     host memory (``host_activation_bytes_per_token * tokens / sp``, the blocks' inputs; 0 for the
     other policies). On a CPU the host and the device are one memory, so the peak measured there
-    is predicted by their sum, less what the device part prices as copied back from the host (the
-    reloaded block inputs, ``OFFLOAD_RESIDENT_BLOCK_INPUTS`` of them, and the RoPE table): on a CPU
-    ``prims.device_put`` to the CPU returns the very tensor, so those are the host's bytes."""
+    is predicted by their sum, less what the device part prices as copied back from the host
+    (``ModelProfile.reloaded_bytes_per_token``): on a CPU ``prims.device_put`` to the CPU returns
+    the very tensor, so those are the host's bytes."""
     from dcp_compile.schedule.analytic import memory_coefficients
-    from dcp_compile.schedule.model_profile import OFFLOAD_RESIDENT_BLOCK_INPUTS
-    from dcp_compile.variant import offloads_block_inputs
 
     profile = profile_of(spec)
     coefficients = memory_coefficients(profile, sp, policy)
-    device = coefficients.peak(spec.tokens) - coefficients.fixed_bytes
-    if offloads_block_inputs(policy):
-        reloaded = (OFFLOAD_RESIDENT_BLOCK_INPUTS * profile.activation_bytes_per_token[policy]
-                    + profile.head_activation_bytes_per_token[policy])
-        device -= reloaded * spec.tokens / sp
+    device = coefficients.peak(spec.tokens) - coefficients.fixed_bytes - profile.reloaded_bytes_per_token(policy) * spec.tokens / sp
     return device, profile.host_activation_bytes_per_token(policy) * spec.tokens / sp
 
 

@@ -300,7 +300,7 @@ def test_the_tiled_loss_holds_a_share_up_to_one_chunk_and_capacity_solves_both_s
     names = [phase.name for phase in profile.backward_phases("full", sp)]
     head = full.phases[names.index("head")]
     others = [phase for name, phase in zip(names, full.phases) if name != "head"]
-    assert all(not phase.capped for phase in others) and full.capped == ()
+    assert all(not phase.capped for phase in others)
     share = 500  # tokens per rank, under a chunk
     assert head.bytes(share * sp) - head.bytes_per_token * share * sp == pytest.approx(chunk * share / 837)
     for tokens in (837 * sp, 100_000 * sp):  # a chunk and beyond: one chunk

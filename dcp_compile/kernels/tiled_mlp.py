@@ -29,33 +29,33 @@ import torch
 import torch.nn.functional as F
 
 aten = torch.ops.aten
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+# Each activation's forward and backward, the latter as eager's autograd calls it (the ATen
+# kernel: so the result is eager's), one new tensor of ``grad``'s size. ReLU's mask from its input:
+# relu(v) > 0 exactly where v > 0.
+_ACTIVATION_KERNELS = {
+    "silu": (F.silu, aten.silu_backward),
+    "gelu": (F.gelu, lambda grad, value: aten.gelu_backward(grad, value, approximate="none")),
+    "gelu_tanh": (lambda value: F.gelu(value, approximate="tanh"),
+                  lambda grad, value: aten.gelu_backward(grad, value, approximate="tanh")),
+    "relu": (F.relu, lambda grad, value: aten.threshold_backward(grad, value, 0)),
+}
+ACTIVATIONS = tuple(_ACTIVATION_KERNELS)
+
+
+def _kernels(activation: str):
+    try:
+        return _ACTIVATION_KERNELS[activation]
+    except KeyError:
+        raise ValueError(f"dcp::tiled_mlp: unknown activation {activation!r} (one of {ACTIVATIONS})") from None
 
 
 def _activation(value: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "silu":
-        return F.silu(value)
-    if activation == "gelu":
-        return F.gelu(value)
-    if activation == "gelu_tanh":
-        return F.gelu(value, approximate="tanh")
-    if activation == "relu":
-        return F.relu(value)
-    raise ValueError(f"dcp::tiled_mlp: unknown activation {activation!r} (one of {ACTIVATIONS})")
+    return _kernels(activation)[0](value)
 
 
 def _activation_backward(grad: torch.Tensor, value: torch.Tensor, activation: str) -> torch.Tensor:
-    """The activation's gradient at ``value`` (its input) times ``grad``: the ATen kernels eager's
-    autograd calls, so the result is eager's. One new tensor, ``grad``'s size."""
-    if activation == "silu":
-        return aten.silu_backward(grad, value)
-    if activation == "gelu":
-        return aten.gelu_backward(grad, value, approximate="none")
-    if activation == "gelu_tanh":
-        return aten.gelu_backward(grad, value, approximate="tanh")
-    if activation == "relu":  # relu(v) > 0 exactly where v > 0: the input gives eager's mask
-        return aten.threshold_backward(grad, value, 0)
-    raise ValueError(f"dcp::tiled_mlp: unknown activation {activation!r} (one of {ACTIVATIONS})")
+    """The activation's gradient at ``value`` (its input) times ``grad``."""
+    return _kernels(activation)[1](grad, value)
 
 
 def _rows(tensor: torch.Tensor) -> torch.Tensor:

@@ -218,30 +218,29 @@ class WorkingPhase:
 
 @dataclass(frozen=True)
 class MemoryCoefficients:
-    """``peak_memory(tokens) = fixed_bytes + kept * tokens + sum(capped terms) + max(phase.bytes(tokens))``
-    (tokens of the whole micro-batch, already divided by the SP size inside the per-token terms).
+    """``peak_memory(tokens) = fixed_bytes + kept * tokens + max(phase.bytes(tokens))`` (tokens of
+    the whole micro-batch, already divided by the SP size inside the per-token terms).
 
     ``bytes_per_token`` is the slope at long lengths: what is kept and the largest phase's
-    per-token bytes (``kept`` is ``bytes_per_token`` less that largest phase slope). The capped
-    terms grow with the tokens up to a bound and then stay: a tiled op's chunk, which holds a
-    rank's whole share up to one chunk; one alive in every phase is in ``capped``, one alive in a
-    single phase (the tiled loss's in the head's, the tiled MLP's in an MLP's) in that phase.
-    Without phases: ``fixed_bytes + bytes_per_token * tokens + sum(capped terms)``."""
+    per-token bytes (``kept`` is ``bytes_per_token`` less that largest phase slope). A phase's
+    capped terms grow with the tokens up to a bound and then stay: a tiled op's chunk, alive in
+    its phase only (the tiled loss's in the head's, the tiled MLP's in an MLP's), which holds a
+    rank's whole share up to one chunk. Without phases (a measured fit):
+    ``fixed_bytes + bytes_per_token * tokens``."""
 
     fixed_bytes: float
     bytes_per_token: float
-    capped: tuple[CappedTerm, ...] = ()
     phases: tuple[WorkingPhase, ...] = ()
 
     @property
     def capped_bytes_per_token(self) -> float:
-        """The first capped term's slope, in every phase or in one; 0 without."""
-        terms = self.capped or tuple(term for phase in self.phases for term in phase.capped)
+        """The first phase capped term's slope (the tiled loss's, where there is one); 0 without."""
+        terms = [term for phase in self.phases for term in phase.capped]
         return terms[0].bytes_per_token if terms else 0.0
 
     @property
     def capped_tokens(self) -> float:
-        terms = self.capped or tuple(term for phase in self.phases for term in phase.capped)
+        terms = [term for phase in self.phases for term in phase.capped]
         return terms[0].tokens if terms else 0.0
 
     def peak(self, tokens: float) -> float:
@@ -250,8 +249,7 @@ class MemoryCoefficients:
         if self.phases:
             kept -= max(phase.bytes_per_token for phase in self.phases)
             working = max(phase.bytes(tokens) for phase in self.phases)
-        return (self.fixed_bytes + kept * tokens + working
-                + sum(term.bytes_per_token * min(tokens, term.tokens) for term in self.capped))
+        return self.fixed_bytes + kept * tokens + working
 
     def token_capacity(self, memory_cap: float) -> int:
         """The most tokens whose :meth:`peak` is within ``memory_cap`` (0 where none fit): the peak
@@ -391,4 +389,4 @@ def memory_coefficients(
             capped = (CappedTerm(phase.chunk_bytes / chunk_tokens, chunk_tokens),)
         working.append(WorkingPhase(phase.bytes_per_token / sp_size, capped))
     slope = (saved + max(phase.bytes_per_token for phase in phases)) / sp_size
-    return MemoryCoefficients(static, slope, (), tuple(working))
+    return MemoryCoefficients(static, slope, tuple(working))

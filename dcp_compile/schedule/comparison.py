@@ -112,18 +112,15 @@ def fixed_lean(budget: Budget, max_length: int) -> list[Scheduler]:
     """ALST's way (arXiv 2506.13996): one SP size, the lean policies on every micro-batch; one
     configuration per SP size whose group holds the longest sample under ``lean``."""
     schedulers: list[Scheduler] = []
-    size = 1
-    while size <= budget.world_size:
+    for size in (2 ** k for k in range(budget.world_size.bit_length()) if 2 ** k <= budget.world_size):
         try:
             scheduler = BalancedStaticSP(budget.cost_model, budget.world_size, budget.memory_cap, size, max_length,
                                          per_microbatch_recompute=False, policies=(RecomputePolicy.LEAN,),
                                          pack_equal_lengths_only=budget.pack_equal_lengths_only)
         except ValueError:  # the longest sample does not fit this size even under lean
-            size *= 2
             continue
         scheduler.name = f"fixed-lean sp{size}"
         schedulers.append(scheduler)
-        size *= 2
     return schedulers
 
 

@@ -180,6 +180,16 @@ class ModelProfile:
         return float(self.num_layers * self.activation_bytes_per_token[recompute]
                      + self.head_activation_bytes_per_token[recompute])
 
+    def reloaded_bytes_per_token(self, recompute: RecomputePolicy | str) -> float:
+        """Bytes per token of a rank's share copied back from the host while a block's backward runs
+        (``offload``, ``lean``; 0 otherwise): the block input it reads and the next one, prefetched
+        (:data:`OFFLOAD_RESIDENT_BLOCK_INPUTS`), and what the blocks read from outside (a RoPE table)."""
+        recompute = RecomputePolicy.parse(recompute)
+        if not offloads_block_inputs(recompute):
+            return 0.0
+        return float(OFFLOAD_RESIDENT_BLOCK_INPUTS * self.activation_bytes_per_token[recompute]
+                     + self.head_activation_bytes_per_token[recompute])
+
     def mlp_chunk_tokens(self) -> int:
         """The tiled MLP's chunk the backend uses by default (:func:`dcp_compile.tiled_mlp.default_mlp_chunk_tokens`)."""
         ffn = self.ffn_hidden_size or 4 * self.hidden_size
@@ -415,13 +425,7 @@ class ModelProfile:
         head_phase = head_rebuilt + (0.0 if tiled else self.output_bytes_per_token)
         loss_chunk = self.loss_chunk_bytes(recompute)
         residual_gradient = dtype * h
-        # offload, lean: the block input a block's backward reads, copied back, and the next one,
-        # prefetched (and what the blocks read from outside, a RoPE table).
-        reloaded = 0.0
-        if offloads_block_inputs(recompute):
-            reloaded = (OFFLOAD_RESIDENT_BLOCK_INPUTS * self.activation_bytes_per_token[recompute]
-                        + self.head_activation_bytes_per_token[recompute])
-        alive = residual_gradient + reloaded  # through every phase
+        alive = residual_gradient + self.reloaded_bytes_per_token(recompute)  # through every phase
         mlp_chunk = self.mlp_chunk_bytes(recompute)
         return (
             BackwardPhase("attention", float(alive + attention_phase)),

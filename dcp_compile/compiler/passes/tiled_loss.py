@@ -49,6 +49,7 @@ import torch.fx as fx
 from dcp_compile.compiler import collectives  # noqa: F401  (registers dcp::replicated_input)
 from dcp_compile.compiler.graph_capture import splice_traced
 from dcp_compile.compiler.passes.context import PassContext
+from dcp_compile.compiler.passes.pattern_nodes import argument, traced_value
 from dcp_compile.kernels import tiled_cross_entropy as _tiled  # noqa: F401  (registers dcp::tiled_cross_entropy)
 from dcp_compile.tiled_loss import LOSS_CHUNK_TOKENS, default_chunk_tokens, tiles_loss
 
@@ -93,19 +94,9 @@ class NotTiled(Exception):
     """This loss does not match the pattern exactly (the message says where)."""
 
 
-def _argument(node: fx.Node, index: int, name: str, default: Any) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-def _value(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
 def _cast_dtype(node: fx.Node) -> torch.dtype | None:
     if node.target is aten.to.dtype:
-        return _argument(node, 1, "dtype", None)
+        return argument(node, 1, "dtype", None)
     return node.kwargs.get("dtype")
 
 
@@ -122,20 +113,20 @@ def match_loss(loss: fx.Node) -> LossMatch:
     """The loss as a :class:`LossMatch`, or :class:`NotTiled` with the first mismatch."""
     if loss.target is CROSS_ENTROPY:
         logits = loss.args[0]
-        weight = _argument(loss, 2, "weight", None)
-        reduction = _argument(loss, 3, "reduction", MEAN)
-        ignore_index = _argument(loss, 4, "ignore_index", -100)
-        if _argument(loss, 5, "label_smoothing", 0.0) != 0.0:
+        weight = argument(loss, 2, "weight", None)
+        reduction = argument(loss, 3, "reduction", MEAN)
+        ignore_index = argument(loss, 4, "ignore_index", -100)
+        if argument(loss, 5, "label_smoothing", 0.0) != 0.0:
             raise NotTiled("label smoothing")
         chain: list[fx.Node] = []
     elif loss.target in NLL_LOSSES:
         log_probabilities = loss.args[0]
-        weight = _argument(loss, 2, "weight", None)
-        reduction = _argument(loss, 3, "reduction", MEAN)
-        ignore_index = _argument(loss, 4, "ignore_index", -100)
+        weight = argument(loss, 2, "weight", None)
+        reduction = argument(loss, 3, "reduction", MEAN)
+        ignore_index = argument(loss, 4, "ignore_index", -100)
         if not (isinstance(log_probabilities, fx.Node) and log_probabilities.target in LOG_SOFTMAX):
             raise NotTiled("nll_loss of something other than a log_softmax")
-        values = _value(log_probabilities)
+        values = traced_value(log_probabilities)
         dim = log_probabilities.args[1]
         if values is None or dim % values.dim() != values.dim() - 1:
             raise NotTiled("log_softmax over a dimension other than the last")
@@ -150,18 +141,18 @@ def match_loss(loss: fx.Node) -> LossMatch:
     if reduction not in (MEAN, SUM):
         raise NotTiled("per-token losses (reduction='none'): nothing is summed over the tokens")
     target = loss.args[1]
-    logits_value, target_value = _value(logits), _value(target)
+    logits_value, target_value = traced_value(logits), traced_value(target)
     if not isinstance(logits_value, torch.Tensor) or not isinstance(target_value, torch.Tensor):
         raise NotTiled("inputs without traced values")
     if logits_value.dim() != 2 or target_value.dim() != 1:
         raise NotTiled(f"logits of {logits_value.dim()} dimensions (the class dimension must be the last of 2)")
     if target_value.dtype not in (torch.int64, torch.int32):
         raise NotTiled("targets that are not class indices (probabilities)")
-    upcast = loss.target in NLL_LOSSES and _argument(chain[0], 2, "dtype", None) == torch.float32
+    upcast = loss.target in NLL_LOSSES and argument(chain[0], 2, "dtype", None) == torch.float32
     vocab = logits_value.shape[-1]
     node = logits
     while isinstance(node, fx.Node) and node.target in RESHAPES | CASTS | COPIES:
-        value = _value(node)
+        value = traced_value(node)
         if value is None or not _same(value.shape[-1], vocab):
             raise NotTiled(f"{node.name} changes the class dimension")
         if node.target in CASTS:
@@ -182,13 +173,13 @@ def match_loss(loss: fx.Node) -> LossMatch:
                        f"({node.target if isinstance(node, fx.Node) else node})")
     projection = node
     hidden, weight_node = projection.args[:2]
-    bias = _argument(projection, 2, "bias", None)
-    hidden_value, weight_value = _value(hidden), _value(weight_node)
+    bias = argument(projection, 2, "bias", None)
+    hidden_value, weight_value = traced_value(hidden), traced_value(weight_node)
     if not isinstance(hidden_value, torch.Tensor) or not isinstance(weight_value, torch.Tensor):
         raise NotTiled("a projection without traced values")
     if weight_value.dim() != 2 or not _same(weight_value.shape[0], vocab):
         raise NotTiled("a projection whose weight is not [vocab, features]")
-    dtypes = {hidden_value.dtype, weight_value.dtype} | ({_value(bias).dtype} if bias is not None else set())
+    dtypes = {hidden_value.dtype, weight_value.dtype} | ({traced_value(bias).dtype} if bias is not None else set())
     if len(dtypes) != 1:
         raise NotTiled(f"a projection over mixed dtypes {sorted(map(str, dtypes))}")
     if not upcast and logits_value.dtype != weight_value.dtype:

@@ -38,6 +38,7 @@ import torch.fx as fx
 
 from dcp_compile.compiler.graph_capture import splice_traced
 from dcp_compile.compiler.passes.context import PassContext
+from dcp_compile.compiler.passes.pattern_nodes import argument, traced_value
 from dcp_compile.compiler.passes.sequence_dims import expression
 from dcp_compile.compiler.sequence_chunks import chunk_length
 from dcp_compile.kernels import tiled_mlp as _tiled  # noqa: F401  (registers dcp::tiled_mlp)
@@ -78,22 +79,12 @@ class MLPMatch:
         def parts(linear: fx.Node | None) -> list[Any]:
             if linear is None:
                 return [None, None]
-            return [linear.args[1], _argument(linear, 2, "bias", None)]
+            return [linear.args[1], argument(linear, 2, "bias", None)]
         return parts(self.up) + parts(self.gate) + parts(self.down)
 
 
 class NotTiled(Exception):
     """This MLP does not match the pattern exactly (the message says where)."""
-
-
-def _argument(node: fx.Node, index: int, name: str, default: Any) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-def _value(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
 def _is_linear(node: Any) -> bool:
@@ -105,7 +96,7 @@ def _activation_name(node: fx.Node) -> str:
         return "silu"
     if node.target is aten.relu.default:
         return "relu"
-    approximate = _argument(node, 1, "approximate", "none")
+    approximate = argument(node, 1, "approximate", "none")
     if approximate == "none":
         return "gelu"
     if approximate == "tanh":
@@ -165,11 +156,11 @@ def match_mlp(activation_node: fx.Node) -> MLPMatch:
 def _check_shapes(match: MLPMatch) -> None:
     """The projections' values agree with an MLP (2-D weights, ``x`` ``[..., features]``), all of
     one dtype."""
-    values = {"x": _value(match.x)}
+    values = {"x": traced_value(match.x)}
     for name, node in zip(("up weight", "up bias", "gate weight", "gate bias", "down weight", "down bias"),
                           match.weights()):
         if node is not None:
-            values[name] = _value(node)
+            values[name] = traced_value(node)
     if not all(isinstance(value, torch.Tensor) for value in values.values()):
         raise NotTiled("inputs without traced values")
     up, down = values["up weight"], values["down weight"]
@@ -191,7 +182,7 @@ def _token_dimension(match: MLPMatch, ctx: PassContext) -> None:
     if length is None:
         raise NotTiled("the graph has no attention, so no sequence length to tell the token dimension by")
     length = sympy.sympify(length)
-    sizes = [expression(size) for size in _value(match.x).shape[:-1]]
+    sizes = [expression(size) for size in traced_value(match.x).shape[:-1]]
     if length.free_symbols:
         if any(size.free_symbols & length.free_symbols for size in sizes):
             return
@@ -199,7 +190,7 @@ def _token_dimension(match: MLPMatch, ctx: PassContext) -> None:
         tokens = {int(length), int(chunk_length(int(length), max(1, ctx.sp_size), ctx.rank))}
         if any(not size.free_symbols and int(size) in tokens for size in sizes):
             return
-    raise NotTiled(f"its input {list(sizes) + [expression(_value(match.x).shape[-1])]} has no dimension of the "
+    raise NotTiled(f"its input {list(sizes) + [expression(traced_value(match.x).shape[-1])]} has no dimension of the "
                    f"sequence (length {length}): not over the tokens")
 
 
@@ -226,7 +217,7 @@ def _chunk(match: MLPMatch, ctx: PassContext) -> int:
     this MLP's width and dtype (what the cost model prices)."""
     if ctx.mlp_chunk:
         return ctx.mlp_chunk
-    up = _value(match.up.args[1])
+    up = traced_value(match.up.args[1])
     return default_mlp_chunk_tokens(int(up.shape[0]), match.gated, up.element_size())
 
 
@@ -253,7 +244,7 @@ def tile_mlp_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         log.info("dcp: MLP at %s not tiled: %s", name, why)
     for match in matches:
         chunk = _chunk(match, ctx)
-        ffn = int(_value(match.up.args[1]).shape[0])
+        ffn = int(traced_value(match.up.args[1]).shape[0])
         inputs = [match.x] + [node for node in match.weights() if node is not None]
         splice_traced(gm, match.down, _tiled_mlp_function(match, chunk), inputs, ctx.fake_mode)
         for node in reversed(match.intermediates):
