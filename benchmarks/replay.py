@@ -31,11 +31,16 @@ Labels: compute **measured** (this device, named in the results), communication 
 GPU from the preset of the GPU found (``preset_for_device_name``); on a CPU the H100 preset's link
 bandwidths slowed by this CPU's measured matmul rate over the H100's dense bf16 peak, so that bytes
 weigh against compute as they would on the cluster (latencies stay the preset's). Memory is a
-stand-in on a CPU (the context-window sample fits on 4 ranks with full recompute under the cap).
+stand-in on a CPU (the context-window sample fits on 4 ranks with full recompute under the cap, or
+as the setup's ``stand_in`` says).
+
+``--setup replay_long_cpu`` (issue 37): the long-sequence mix, scaled, whose longest samples need
+``recompute=lean`` under the cap; the ``fixed-lean`` family is ALST's setup (lean on every
+micro-batch at the SP size that holds the longest). Writes ``replay_long_cpu.md`` / ``.json``.
 
 Tables are rewritten after every (world, distribution, seed) block, each saying how far the run got;
 SIGINT/SIGTERM leave a partial table. Writes ``replay_<device>.md`` / ``.json``. Run:
-``PYTHONPATH=. python benchmarks/replay.py [--tiny] [--device cuda]``; a long run split over
+``PYTHONPATH=. python benchmarks/replay.py [--tiny | --setup NAME] [--device cuda]``; a long run split over
 processes (``--worlds``, ``--distributions``, ``--seeds``, each with its own ``--out-dir``, the
 profiles shared through ``--profile-cache`` and ``--video-profile-cache``) is put together with
 ``--merge``.
@@ -79,17 +84,27 @@ RESULTS = Path(__file__).resolve().parent / "results"
 BAND = (1.5, 1 / 1.5)  # link speed factors of the band: fast, slow
 
 
-def plan_families(budget: Budget, steps: Sequence[tuple[list[int], list[float] | None]], context: int):
-    """Every family tuned on ``steps`` and the ablation ladder, all under ``budget``."""
-    return plan_run(budget, steps, context)
+def plan_families(budget: Budget, steps: Sequence[tuple[list[int], list[float] | None]], context: int,
+                  ablation: bool = True):
+    """Every family tuned on ``steps`` and (unless the setup leaves it out) the ablation ladder,
+    all under ``budget``."""
+    return plan_run(budget, steps, context, with_ablation=ablation)
 
 
-def setup_for(device: torch.device, tiny: bool) -> dict[str, Any]:
+def setup_for(device: torch.device, tiny: bool, name: str | None = None) -> dict[str, Any]:
     spec = workloads.load()
-    name = "replay_tiny" if tiny else ("replay_gpu" if device.type == "cuda" else "replay_cpu")
+    name = name or ("replay_tiny" if tiny else ("replay_gpu" if device.type == "cuda" else "replay_cpu"))
+    if name not in spec["setups"] or "model" not in spec["setups"][name]:
+        replayable = sorted(k for k, v in spec["setups"].items() if "model" in v and "tokens_per_rank" in v)
+        raise SystemExit(f"replay: no replay setup {name!r} in benchmarks/workloads.json (replay setups: {replayable})")
     setup = dict(spec["setups"][name], name=name)
     setup.setdefault("seeds", spec["seeds"])
     return setup
+
+
+def text_distribution(name: str, setup: dict[str, Any]) -> workloads.Distribution:
+    """A text distribution of the setup, its documents scaled by the setup's ``length_scale`` if any."""
+    return workloads.distribution(name, length_scale=setup.get("length_scale"))
 
 
 def build_model(setup: dict[str, Any], device: torch.device, dtype: torch.dtype) -> TinyGPT:
@@ -175,10 +190,12 @@ def link_model(device: torch.device) -> tuple[Hardware, str]:
     ratio = (2 * size**3 / best) / h100.peak_flops
     hardware = replace(h100, name="H100 links at this CPU's speed", peak_flops=2 * size**3 / best,
                        intra_node_bandwidth=h100.intra_node_bandwidth * ratio,
-                       inter_node_bandwidth=h100.inter_node_bandwidth * ratio)
+                       inter_node_bandwidth=h100.inter_node_bandwidth * ratio,
+                       host_link_bandwidth=h100.host_link_bandwidth * ratio)
     return hardware, (f"H100 preset link bandwidths slowed by this CPU's measured matmul rate over the H100 bf16 peak "
                       f"({ratio:.2e}): {hardware.intra_node_bandwidth / 1e6:.2f} MB/s in a node of 8, "
-                      f"{hardware.inter_node_bandwidth / 1e6:.2f} MB/s across; latencies as the preset's")
+                      f"{hardware.inter_node_bandwidth / 1e6:.2f} MB/s across, {hardware.host_link_bandwidth / 1e6:.2f} "
+                      "MB/s to host memory (offloaded activations); latencies as the preset's")
 
 
 def with_links(cost_model: dcp.CostModel, factor: float) -> dcp.CostModel:
@@ -452,6 +469,15 @@ def _workload_lines(setup: dict[str, Any], meta: dict[str, Any], kinds: dict[str
             f"{setup['context_window']:,} tokens; one memory cap for every scheduler: {text['memory_cap'] / 1e9:.3f} GB "
             f"({setup['memory_fraction']} of {text['memory_capacity'] / 1e9:.3f} GB"
             + (f"; {setup['stand_in_memory']}" if "stand_in_memory" in setup else "") + ").", ""]
+        if "holds" in text:
+            sizes = sorted({int(size) for held in text["holds"].values() for size in held})
+            lines += ["Tokens one micro-batch holds under the cap (memory model), by policy and SP size:", "",
+                      "| policy | " + " | ".join(f"SP {size}" for size in sizes) + " |", "|---|" + "---:|" * len(sizes),
+                      *[f"| {policy} | " + " | ".join(f"{held[key]:,}" for key in sorted(held, key=int)) + " |"
+                        for policy, held in text["holds"].items()], ""]
+        lines += [f"- {what}: {setup[key]}." for key, what in (("model_reason", "Model"), ("length_reason", "Lengths"),
+                                                                ("profile_reason", "Profile")) if key in setup]
+        lines += [""] if any(key in setup for key in ("model_reason", "length_reason", "profile_reason")) else []
     if "video" in kinds:
         video, m = setup["video"], setup["video"]["model"]
         scale = video["latent_scale"]
@@ -622,6 +648,22 @@ def merge(paths: Sequence[str], out: Path, tag: str, setup: dict[str, Any]) -> i
     return 0
 
 
+def holds_by_policy(cost_model: dcp.CostModel, cap: float, world: int) -> dict[str, dict[int, int]]:
+    """The most tokens one micro-batch holds under ``cap``, by policy and SP size up to ``world``."""
+    sizes = [2**i for i in range(world.bit_length()) if 2**i <= world]
+    return {policy.value: {size: int(cost_model.token_capacity(size, policy, cap)) for size in sizes}
+            for policy in dcp.RecomputePolicy}
+
+
+def results_tag(device: torch.device, setup_name: str, tiny: bool) -> str:
+    """The results files' name after ``replay_``: the device, and the setup where it is not the
+    device's default (``replay_long_cpu`` writes ``replay_long_cpu.md``)."""
+    tag = ("cuda_" + device_name(device).lower().replace(" ", "-")) if device.type == "cuda" else "cpu"
+    if setup_name in ("replay_cpu", "replay_gpu", "replay_tiny"):
+        return tag + ("_tiny" if tiny else "")
+    return setup_name.removeprefix("replay_").removesuffix("_cpu").removesuffix("_gpu") + "_" + tag
+
+
 def text_cost_model(setup: dict[str, Any], model: TinyGPT, device: torch.device, dtype: torch.dtype,
                     hardware: Hardware, inner: str, cache: str | None) -> tuple[float | None, dcp.CostModel]:
     """TinyGPT's profiled cost model and, on a CPU, the stand-in memory cap."""
@@ -631,16 +673,17 @@ def text_cost_model(setup: dict[str, Any], model: TinyGPT, device: torch.device,
                                          num_heads=m["heads"], ffn_hidden_size=4 * m["width"], vocab_size=vocab,
                                          causal=True, dtype_bytes=2 if dtype == torch.bfloat16 else 4)
     profile_lengths = [context // 16, context // 8, context // 4, context // 2, context]
-    # Two policies are profiled (each variant is a compile of its own: on a lent GPU's minutes the
-    # replay's first block must come first); the others get the analytic prior scaled to them.
-    policies = ["none", "full"]
+    # Two policies are profiled unless the setup names more (each variant is a compile of its own: on
+    # a lent GPU's minutes the replay's first block must come first); the others get the analytic
+    # prior scaled to them.
+    policies = list(setup.get("profile_policies", ["none", "full"]))
     # On a GPU each variant compiled is lease time: profile SP 1 and 8 (the others get the prior scaled).
     profile_sizes = (1, 8) if device.type == "cuda" else (1, 2, 4, 8)
     cost_model = dcp.profile(model, packed_inputs(vocab, device), lengths=profile_lengths,
                              sp_sizes=profile_sizes, recompute=policies, causal=True, prior=prior, hardware=hardware,
                              inner=inner, packed=True, repeats=max(1, setup["repeats"]), path=cache)
     cost_model = replace(cost_model, hardware=hardware)  # a cached profile keeps this run's link model
-    return stand_in_cap(cost_model, context, device), cost_model
+    return stand_in_cap(cost_model, context, device, **setup.get("stand_in", {})), cost_model
 
 
 def video_cost_model(setup: dict[str, Any], name: str, model: VideoDiT, device: torch.device, dtype: torch.dtype,
@@ -665,19 +708,23 @@ def video_cost_model(setup: dict[str, Any], name: str, model: VideoDiT, device: 
     return stand_in_cap(cost_model, video["context_window"], device), cost_model
 
 
-def stand_in_cap(cost_model: dcp.CostModel, context: int, device: torch.device) -> float | None:
-    """On a CPU, the stand-in memory cap: the context-window sample fits on 4 ranks with full
-    recompute under it; None on a GPU (its own memory)."""
+def stand_in_cap(cost_model: dcp.CostModel, context: int, device: torch.device, sp_size: int = 4,
+                 recompute: str = "full") -> float | None:
+    """On a CPU, the stand-in memory cap: the context-window sample fits on ``sp_size`` ranks under
+    ``recompute`` (the setup's ``stand_in``; 4 ranks with full recompute unless it says otherwise)
+    with 2% to spare; None on a GPU (its own memory)."""
     if device.type != "cpu":
         return None
-    state = cost_model.memory_coefficients(4, "full").fixed_bytes
-    return state + 1.02 * (cost_model.peak_memory([context], 4, "full") - state)
+    state = cost_model.memory_coefficients(sp_size, recompute).fixed_bytes
+    return state + 1.02 * (cost_model.peak_memory([context], sp_size, recompute) - state)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="the replay_tiny setup (a dry run: checks the pipeline)")
+    parser.add_argument("--setup", default=None,
+                        help="a replay setup of benchmarks/workloads.json (default: replay_cpu, replay_gpu on CUDA)")
     parser.add_argument("--inner", default=None, choices=["inductor", "aot_eager", "eager"],
                         help="inner compiler (default: aot_eager; Inductor compiles every SP size up to 32)")
     parser.add_argument("--profile-cache", default=None, help="TinyGPT's cost model JSON to reuse (dcp.profile's path=)")
@@ -692,10 +739,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    setup = setup_for(device, args.tiny)
+    setup = setup_for(device, args.tiny, args.setup)
+    tag = results_tag(device, setup["name"], args.tiny)
     if args.merge:
-        tag = ("cuda_" + device_name(device).lower().replace(" ", "-")) if device.type == "cuda" else "cpu"
-        return merge(args.merge, Path(args.out_dir), tag + ("_tiny" if args.tiny else ""), setup)
+        return merge(args.merge, Path(args.out_dir), tag, setup)
     for name, chosen in (("worlds", args.worlds), ("distributions", args.distributions), ("seeds", args.seeds)):
         if chosen:
             unknown = set(chosen) - set(setup[name])
@@ -732,6 +779,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "profile": markdown_report(cost_model.measured, title=(
                            "Profile used for planning" if kind == "text" else "Profile used for planning the video "
                            f"(VideoDiT width {setup['video']['model']['width']})"))}
+        kinds[kind]["holds"] = holds_by_policy(cost_model, setup["memory_fraction"] * cost_model.hardware.memory_capacity,
+                                               max(setup["worlds"]))
     meta: dict[str, Any] = {
         "device": device_name(device) + (f" ({DRY_RUN_LABEL})" if args.tiny else ""), "setup": setup,
         "links": link_text, "software": software_versions(device), "inner": inner, "dtype": str(dtype),
@@ -739,9 +788,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "micro_batches": 0, "kinds": kinds,
     }
     out = Path(args.out_dir)
-    tag = ("cuda_" + device_name(device).lower().replace(" ", "-")) if device.type == "cuda" else "cpu"
-    if args.tiny:
-        tag += "_tiny"
     blocks = [(w, d, s) for w in setup["worlds"] for d in setup["distributions"] for s in setup["seeds"]]
     progress = Progress(total=len(blocks), unit="(world, distribution, seed) blocks")
     rows: list[dict[str, Any]] = []
@@ -771,10 +817,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 dist = video_distribution(name, video)
             else:
                 context, per_rank = setup["context_window"], setup["tokens_per_rank"]
-                dist = workloads.distribution(name)
+                dist = text_distribution(name, setup)
             steps = workloads.steps(dist, seed, per_rank * world, setup["steps"], context)
             # VideoDiT attends over every token of a clip: its span is its length (spans None).
-            families, rungs = plan_families(budget, [(s.lengths, None) for s in steps], context)
+            families, rungs = plan_families(budget, [(s.lengths, None) for s in steps], context,
+                                            setup.get("ablation", True))
             keys = set()
             for contender in list(families.values()) + list(rungs.values()):
                 for schedule, s in zip(contender.schedules, steps):

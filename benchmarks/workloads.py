@@ -6,7 +6,9 @@ scheduler of a comparison trains (iso-batch): samples drawn with a seeded genera
 holds ``tokens_per_step`` tokens (the last sample may overshoot). A video step also gives each
 clip's (latent frames, rows, columns), scaled by a setup's ``latent_scale`` where one is given
 (``distribution(name, latent_scale)``: a coarser patch along each axis, the same for every clip, so
-that a CPU stand-in runs the published bucket mix). ``python benchmarks/workloads.py`` prints each
+that a CPU stand-in runs the published bucket mix). A text distribution's documents can be scaled
+alike (``distribution(name, length_scale=n)``: every document ``n`` times shorter, so that a CPU
+stand-in trains the published mix's shape at lengths it can run). ``python benchmarks/workloads.py`` prints each
 distribution's statistics beside its source's figures.
 """
 
@@ -55,13 +57,20 @@ def scaled_shape(shape: Shape, latent_scale: dict[str, int] | None) -> Shape:
             math.ceil(columns / latent_scale["columns"]))
 
 
+SHORTEST_SCALED_DOCUMENT = 8  # tokens: a scaled document is never shorter (a packed row of 1-token documents is no workload)
+
+
 class Distribution:
     """Draws samples of one distribution of ``workloads.json`` (video clips scaled by
-    ``latent_scale``, if given: see :func:`scaled_shape`)."""
+    ``latent_scale``, if given: see :func:`scaled_shape`; text documents divided by
+    ``length_scale``, rounded up, at least :data:`SHORTEST_SCALED_DOCUMENT` tokens)."""
 
-    def __init__(self, name: str, spec: dict[str, Any], latent_scale: dict[str, int] | None = None) -> None:
+    def __init__(self, name: str, spec: dict[str, Any], latent_scale: dict[str, int] | None = None,
+                 length_scale: int | None = None) -> None:
         self.name, self.spec, self.kind = name, spec, spec["kind"]
-        self.latent_scale = latent_scale
+        self.latent_scale, self.length_scale = latent_scale, length_scale
+        if length_scale is not None and (spec["kind"] == "opensora_buckets" or length_scale < 1):
+            raise ValueError(f"{name}: a length scale applies to text documents only, and is at least 1")
         if self.kind == "opensora_buckets":
             self._buckets = _opensora_buckets(spec["num_videos"], spec["image_multiple"], latent_scale)
         elif latent_scale:
@@ -86,6 +95,12 @@ class Distribution:
     def sample(self, rng: random.Random) -> tuple[int, float | None, Shape | None]:
         """One document's (tokens, span, shape) before the context window applies (a shape for
         video clips only)."""
+        tokens, span, shape = self._published_sample(rng)
+        if self.length_scale is not None:
+            tokens = max(SHORTEST_SCALED_DOCUMENT, math.ceil(tokens / self.length_scale))
+        return tokens, span, shape
+
+    def _published_sample(self, rng: random.Random) -> tuple[int, float | None, Shape | None]:
         spec = self.spec
         if self.kind == "mixture_exponential":
             categories = spec["categories"]
@@ -126,12 +141,13 @@ def _opensora_buckets(num_videos: int, image_multiple: float, latent_scale: dict
     return population, weights
 
 
-def distribution(name: str, latent_scale: dict[str, int] | None = None) -> Distribution:
-    """The distribution ``name`` of ``workloads.json``; video clips scaled by ``latent_scale``."""
+def distribution(name: str, latent_scale: dict[str, int] | None = None, length_scale: int | None = None) -> Distribution:
+    """The distribution ``name`` of ``workloads.json``; video clips scaled by ``latent_scale``,
+    text documents by ``length_scale``."""
     specs = load()["distributions"]
     if name not in specs:
         raise KeyError(f"no distribution {name!r} in {WORKLOADS_FILE}; it has {sorted(specs)}")
-    return Distribution(name, specs[name], latent_scale)
+    return Distribution(name, specs[name], latent_scale, length_scale)
 
 
 def steps(dist: Distribution, seed: int, tokens_per_step: int, count: int, context_window: int) -> list[Step]:

@@ -81,6 +81,34 @@ def test_the_replay_builds_every_scheduler_from_one_budget() -> None:
     assert "dcp" in families and len(rungs) == len(ABLATION_RUNGS)
 
 
+def test_the_long_replay_needs_lean_for_its_longest_sample_and_plans_fixed_lean() -> None:
+    """replay_long_cpu's claim (workloads.json): under its stand-in cap the context-window sample
+    fits on 8 ranks under lean and under no faster policy there; its scaled documents keep the mix's
+    shape (most samples short, the longest near the window); fixed-lean (ALST's setup) is planned."""
+    import replay
+    import torch
+    import workloads
+
+    setup = workloads.load()["setups"]["replay_long_cpu"]
+    m, context = setup["model"], setup["context_window"]
+    prior = ModelProfile.transformer("replay-gpt", num_layers=m["layers"], hidden_size=m["width"],
+                                     num_heads=m["heads"], ffn_hidden_size=4 * m["width"], vocab_size=m["vocab"],
+                                     causal=True, dtype_bytes=4)
+    model = CostModel(prior, Hardware.H100, optimizer_shards=8)
+    cap = replay.stand_in_cap(model, context, torch.device("cpu"), **setup["stand_in"])
+    model = CostModel(prior, replace(Hardware.H100, memory_capacity=cap / setup["memory_fraction"]), optimizer_shards=8)
+    budget = Budget(model, 8, setup["memory_fraction"])
+    holds = replay.holds_by_policy(model, budget.memory_cap, 8)
+    assert holds["lean"][8] >= context > max(holds[p][8] for p in ("none", "full", "block", "offload"))
+    dist = replay.text_distribution("pretrain-byted", setup)
+    step = workloads.steps(dist, 0, 8 * setup["tokens_per_rank"], 6, context)
+    lengths = [n for s in step for n in s.lengths]
+    assert min(lengths) >= workloads.SHORTEST_SCALED_DOCUMENT and max(lengths) > holds["offload"][8]
+    assert sorted(lengths)[len(lengths) // 2] < context // 64
+    families, _ = replay.plan_families(budget, [(s.lengths, None) for s in step[:1]], context, ablation=False)
+    assert families["fixed-lean"].scheduler.name == "fixed-lean sp8"
+
+
 def test_the_video_replay_builds_every_scheduler_from_one_budget_packing_equal_shapes_only() -> None:
     """The replay's video path (replay_cpu's DiT stand-in): one budget that packs equal lengths
     only; the families that pack mixed lengths into one row are out; DCP, static SP with recompute
@@ -279,7 +307,7 @@ def test_the_video_replay_runs_end_to_end_at_tiny_sizes(tmp_path: Path, monkeypa
     import replay
     import workloads
 
-    def tiny_setup(device, tiny):
+    def tiny_setup(device, tiny, name=None):
         spec = workloads.load()
         setup = dict(spec["setups"]["replay_tiny"], name="replay_tiny", seeds=[0], distributions=["sft-llama3", "video-opensora"])
         video = copy.deepcopy(spec["setups"]["replay_cpu"]["video"])
