@@ -672,7 +672,7 @@ def text_cost_model(setup: dict[str, Any], model: TinyGPT, device: torch.device,
     prior = dcp.ModelProfile.transformer("replay-gpt", num_layers=m["layers"], hidden_size=m["width"],
                                          num_heads=m["heads"], ffn_hidden_size=4 * m["width"], vocab_size=vocab,
                                          causal=True, dtype_bytes=2 if dtype == torch.bfloat16 else 4)
-    profile_lengths = [context // 16, context // 8, context // 4, context // 2, context]
+    profile_lengths = setup.get("profile_lengths", [context // 16, context // 8, context // 4, context // 2, context])
     # Two policies are profiled unless the setup names more (each variant is a compile of its own: on
     # a lent GPU's minutes the replay's first block must come first); the others get the analytic
     # prior scaled to them.
@@ -680,6 +680,7 @@ def text_cost_model(setup: dict[str, Any], model: TinyGPT, device: torch.device,
     # On a GPU each variant compiled is lease time: profile SP 1 and 8 (the others get the prior scaled).
     profile_sizes = (1, 8) if device.type == "cuda" else (1, 2, 4, 8)
     cost_model = dcp.profile(model, packed_inputs(vocab, device), lengths=profile_lengths,
+                             held_out=setup.get("profile_held_out"),
                              sp_sizes=profile_sizes, recompute=policies, causal=True, prior=prior, hardware=hardware,
                              inner=inner, packed=True, repeats=max(1, setup["repeats"]), path=cache)
     cost_model = replace(cost_model, hardware=hardware)  # a cached profile keeps this run's link model
