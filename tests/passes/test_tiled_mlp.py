@@ -214,10 +214,14 @@ def test_one_mlp_per_layer_under_lean_and_none_under_block(name: str) -> None:
     assert "tiled_mlp" not in block.forward_graph
 
 
-def test_dit_refusals_say_why() -> None:
+def test_dit_refusals_say_why(caplog) -> None:
     """DiT's timestep embedder (``Linear, SiLU, Linear`` over ``[batch, features]``) is not over the
-    tokens; its adaLN ``silu(c)`` reads the embedding every block's modulation reads too."""
-    (lean,) = lean_records("dit", "lean", 5)
+    tokens; its adaLN ``silu(c)`` reads the embedding every block's modulation reads too. Neither is
+    over the tokens: no warning."""
+    with caplog.at_level("INFO", logger="dcp_compile.compiler.passes.tiled_mlp"):
+        (lean,) = lean_records("dit", "lean", 5)
+    logged = [r for r in caplog.records if r.name == "dcp_compile.compiler.passes.tiled_mlp"]
+    assert logged and not [r.getMessage() for r in logged if r.levelname == "WARNING"]
     reasons = dict(lean.untiled_mlps)
     embedder = [why for where, why in reasons.items() if "t_embedder" in where]
     assert len(embedder) == 1 and "has no dimension of the sequence" in embedder[0], reasons
@@ -407,3 +411,37 @@ def test_the_default_chunk_is_the_shared_rule() -> None:
     assert len(record.tiled_mlps) == 1
     assert f"over {default_mlp_chunk_tokens(32, True, 4)}-token chunks" in record.tiled_mlps[0], record.tiled_mlps
     torch._dynamo.reset()
+
+
+class AttentionThenSharedProduct(nn.Module):
+    """One causal attention, then an MLP whose gated product is read twice (left untiled under lean)."""
+
+    def __init__(self, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = SmallMLP("product_read_twice")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, width // self.heads).unbind(2)
+        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.out(attended.transpose(1, 2).reshape(batch, length, width))
+        return self.mlp(x)
+
+
+def test_an_untiled_mlp_over_the_tokens_warns_that_lean_under_prices_it(caplog) -> None:
+    """The memory model prices ``lean`` with every MLP tiled: one the pass refuses over the tokens
+    keeps its ffn-wide tensors whole, so the user is told (with what to do); an MLP over something
+    else (a timestep embedding, test_dit_refusals_say_why) stays at info."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled = torch.compile(AttentionThenSharedProduct(), backend="dcp", dynamic=True,
+                             options={"inner": "aot_eager", "sp_size": 1, "recompute": "lean", "mlp_chunk": 3})
+    with caplog.at_level("WARNING", logger="dcp_compile.compiler.passes.tiled_mlp"):
+        compiled(mlp_input(11)).square().mean().backward()
+    torch._dynamo.reset()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "not tiled" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    assert "under recompute=lean the MLP at silu" in warnings[0] and "the gated product (mul) is read elsewhere too" in warnings[0]
+    assert "more than the memory model priced" in warnings[0] and "recompute_policies" in warnings[0]

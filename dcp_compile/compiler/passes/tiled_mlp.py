@@ -173,25 +173,44 @@ def _check_shapes(match: MLPMatch) -> None:
         raise NotTiled(f"an MLP over mixed dtypes {sorted(map(str, dtypes))}")
 
 
-def _token_dimension(match: MLPMatch, ctx: PassContext) -> None:
-    """:class:`NotTiled` unless a dimension of the MLP's input (other than its features) holds the
-    attended sequence's tokens: the whole length, or this rank's chunk of it. An MLP over something
-    else (a timestep embedding) holds no sequence-long tensor: tiling it gains nothing."""
-    sequence = ctx.analysis.sequence
-    length = getattr(sequence, "length", None)
+def _over_tokens(value: torch.Tensor, ctx: PassContext) -> bool | None:
+    """Does a dimension of ``value`` (other than its last) hold the attended sequence's tokens: the
+    whole length, or this rank's chunk of it? None where the graph has no sequence length."""
+    length = getattr(ctx.analysis.sequence, "length", None)
     if length is None:
-        raise NotTiled("the graph has no attention, so no sequence length to tell the token dimension by")
+        return None
     length = sympy.sympify(length)
-    sizes = [expression(size) for size in traced_value(match.x).shape[:-1]]
+    sizes = [expression(size) for size in value.shape[:-1]]
     if length.free_symbols:
-        if any(size.free_symbols & length.free_symbols for size in sizes):
-            return
-    else:
-        tokens = {int(length), int(chunk_length(int(length), max(1, ctx.sp_size), ctx.rank))}
-        if any(not size.free_symbols and int(size) in tokens for size in sizes):
-            return
-    raise NotTiled(f"its input {list(sizes) + [expression(traced_value(match.x).shape[-1])]} has no dimension of the "
-                   f"sequence (length {length}): not over the tokens")
+        return any(size.free_symbols & length.free_symbols for size in sizes)
+    tokens = {int(length), int(chunk_length(int(length), max(1, ctx.sp_size), ctx.rank))}
+    return any(not size.free_symbols and int(size) in tokens for size in sizes)
+
+
+def _token_dimension(match: MLPMatch, ctx: PassContext) -> None:
+    """:class:`NotTiled` unless the MLP's input is over the attended sequence's tokens
+    (:func:`_over_tokens`). An MLP over something else (a timestep embedding) holds no
+    sequence-long tensor: tiling it gains nothing."""
+    x = traced_value(match.x)
+    over = _over_tokens(x, ctx)
+    if over is None:
+        raise NotTiled("the graph has no attention, so no sequence length to tell the token dimension by")
+    if not over:
+        length = getattr(ctx.analysis.sequence, "length", None)
+        raise NotTiled(f"its input {[expression(size) for size in x.shape]} has no dimension of the "
+                       f"sequence (length {length}): not over the tokens")
+
+
+def sequence_long_refusals(gm: fx.GraphModule, refused: list[tuple[str, str]], ctx: PassContext) -> list[tuple[str, str]]:
+    """Those of ``refused`` whose activation is over the sequence's tokens: the MLPs the memory
+    model priced tiled that keep their ffn-wide tensors whole."""
+    nodes = {node.name: node for node in gm.graph.nodes}
+    long = []
+    for name, why in refused:
+        value = traced_value(nodes[name.split(" ", 1)[0]]) if name.split(" ", 1)[0] in nodes else None
+        if isinstance(value, torch.Tensor) and _over_tokens(value, ctx):
+            long.append((name, why))
+    return long
 
 
 def find_mlps(gm: fx.GraphModule, ctx: PassContext | None = None) -> tuple[list[MLPMatch], list[tuple[str, str]]]:
@@ -242,6 +261,13 @@ def tile_mlp_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         record.untiled_mlps.extend(refused)
     for name, why in refused:
         log.info("dcp: MLP at %s not tiled: %s", name, why)
+    for name, why in sequence_long_refusals(gm, refused, ctx):
+        # The memory model priced this variant with every MLP tiled: a refused one keeps its
+        # ffn-wide tensors, so the planner may place more tokens here than fit.
+        log.warning("dcp: under recompute=%s the MLP at %s is not tiled (%s): its ffn-wide activations are whole, "
+                    "more than the memory model priced; plan with recompute_policies that leave out 'lean', or "
+                    "write the MLP as up/gate projections, activation, down projection so the pass finds it",
+                    ctx.recompute.value, name, why)
     for match in matches:
         chunk = _chunk(match, ctx)
         ffn = int(traced_value(match.up.args[1]).shape[0])
