@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.compiler.passes.context import PassContext
-from dcp_compile.compiler.passes.einsum_products import respell_einsum_products
+from dcp_compile.compiler.passes.einsum_products import respell_einsum_products, respell_summed_products
 from dcp_compile.compiler.passes.no_attention import explain_no_attention
 
 aten = torch.ops.aten
@@ -339,7 +339,7 @@ def _propagate_fake_values(gm: fx.GraphModule, ctx: PassContext) -> None:
 
 NO_ATTENTION_WARNING = (
     "dcp: a graph with parameters and inputs of a dynamic length has no attention the compiler recognises "
-    "(F.scaled_dot_product_attention, or softmax(q @ k^T) @ v in matmul/bmm/einsum spellings): it runs "
+    "(F.scaled_dot_product_attention, or softmax(q @ k^T) @ v in matmul/bmm/einsum/einops spellings): it runs "
     "replicated on every rank, with no sequence parallelism. If the model has attention, write it with "
     "F.scaled_dot_product_attention; dcp.explain(model, *inputs) shows what was found.")
 
@@ -362,7 +362,8 @@ def _has_sequence_dimension(gm: fx.GraphModule, ctx: PassContext) -> bool:
 
 def find_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Record every attention site; rewrite hand-written attention into SDPA nodes."""
-    if respell_einsum_products(gm):  # einsum-spelled attention reads as q @ k^T from here on
+    # einsum- and einops.reduce-spelled attention reads as q @ k^T from here on
+    if respell_summed_products(gm) + respell_einsum_products(gm):
         _propagate_fake_values(gm, ctx)
     rewritten = 0
     for node in list(gm.graph.nodes):
@@ -418,7 +419,8 @@ def find_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.analysis.no_attention = finding.reason
         log.info("dcp: no attention found in this graph; it runs unsharded on every rank: %s", finding.reason)
         if finding.should_warn(_has_sequence_dimension(gm, ctx)):
-            warnings.warn(f"{NO_ATTENTION_WARNING} This graph: {finding.reason}.", UserWarning, stacklevel=2)
+            remedy = f" {finding.remedy}." if finding.remedy else ""
+            warnings.warn(f"{NO_ATTENTION_WARNING} This graph: {finding.reason}.{remedy}", UserWarning, stacklevel=2)
     else:
         log.info("dcp: found %d attention site(s) (%d hand-written)", len(sites), rewritten)
     return gm
