@@ -20,27 +20,34 @@
 # Steps, most valuable first (name: what, default budget in seconds, knob that turns it off/on):
 #   1 replay               benchmarks/replay.py --device cuda: the DCP-vs-baselines comparison on measured
 #                          compute (replay_<tag>.md/.json)                  140 s  GPU_CHECK_REPLAY=yes|no
-#   2 profile              benchmarks/profile_blocks.py: held-out error of the profiled cost model, a DiT and a
+#   2 longest_sequence     benchmarks/longest_sequence.py --device cuda (issue 37): the longest sequence one GPU
+#                          trains, measured, beside the cost model's prediction: a Llama-3-8B-shaped LM with one
+#                          of its 32 layers, bf16, SP 1, recompute lean, offload, block; a lean try near 800K
+#                          tokens takes 1-2 minutes on an H100, so at this budget it is likely time-capped (a
+#                          measured lower bound): GPU_CHECK_BUDGET_LONGEST_SEQUENCE=240 for the whole try on an
+#                          H100, ~420 on an H200; GPU_CHECK_LONGEST_ARGS more arguments
+#                          (longest_sequence_<gpu>.md/.json)                120 s  GPU_CHECK_LONGEST=yes|no
+#   3 profile              benchmarks/profile_blocks.py: held-out error of the profiled cost model, a DiT and a
 #                          GPT block stack at real width, SP 1 2 4 8, recompute none/full, inner
 #                          GPU_CHECK_PROFILE_INNER (default aot_eager: Inductor's compiles of 16 variants would
-#                          not fit) (profile_cuda_<gpu>.md/.json)           100 s  GPU_CHECK_PROFILE=yes|no
-#   3 single_gpu           benchmarks/single_gpu.py: DCP at SP 1 vs static and bucket schedules on a Wan 2.1
+#                          not fit) (profile_cuda_<gpu>.md/.json)            80 s  GPU_CHECK_PROFILE=yes|no
+#   4 single_gpu           benchmarks/single_gpu.py: DCP at SP 1 vs static and bucket schedules on a Wan 2.1
 #                          1.3B-wide DiT and a Llama-1B-wide LM, 4 layers each, bf16, aot_eager; its --budget-s
 #                          is GPU_CHECK_SINGLE_BUDGET (default: the step's limit less 20 s)
-#                          (single_gpu_<gpu>.md/.json)                      110 s  GPU_CHECK_SINGLE=yes|no
-#   4 kernels_bench        benchmarks/kernel_benchmarks.py [--quick]: the kernels against their torch paths
+#                          (single_gpu_<gpu>.md/.json)                       90 s  GPU_CHECK_SINGLE=yes|no
+#   5 kernels_bench        benchmarks/kernel_benchmarks.py [--quick]: the kernels against their torch paths
 #                          (kernels_<gpu>.csv/.png, varlen_choice_<gpu>.json) 60 s  GPU_CHECK_BENCH=quick|full|none
-#   5 varlen_choice_tests  tests/kernels/test_kernels_attention_choice.py -k cuda: every varlen implementation
+#   6 varlen_choice_tests  tests/kernels/test_kernels_attention_choice.py -k cuda: every varlen implementation
 #                          against the reference on CUDA (a log only)        30 s  on unless GPU_CHECK_BENCH=none
-#   6 dit_inductor_step    benchmarks/dit_inductor_step.py --layers 2 --repeats 3: a diffusers Wan DiT, Inductor
-#                          vs aot_eager step time, no Inductor fallback
-#                          (dit_inductor_step_<gpu>.md/.json)               80 s  GPU_CHECK_DIT=yes|no
 #   Optional, off by default, run only in the time left:
-#   7 compiled_choice_tests tests/test_compiled_kernel_choice.py -k cuda     60 s  GPU_CHECK_COMPILED_CHOICE=no|yes
-#   8 packed_vs_padded     benchmarks/packed_vs_padded.py --device cuda --repeats 5
+#   7 dit_inductor_step    benchmarks/dit_inductor_step.py --layers 2 --repeats 3: a diffusers Wan DiT, Inductor
+#                          vs aot_eager step time, no Inductor fallback (off by default since longest_sequence
+#                          took its time) (dit_inductor_step_<gpu>.md/.json) 80 s  GPU_CHECK_DIT=no|yes
+#   8 compiled_choice_tests tests/test_compiled_kernel_choice.py -k cuda     60 s  GPU_CHECK_COMPILED_CHOICE=no|yes
+#   9 packed_vs_padded     benchmarks/packed_vs_padded.py --device cuda --repeats 5
 #                          (packed_vs_padded_cuda.md/.csv; skipped in the dry run: that script has no tiny
 #                          mode and writes to benchmarks/results/)           60 s  GPU_CHECK_PACKED=no|yes
-#   9 kernels_tests        tests/kernels, -k cuda (GPU_CHECK_TESTS=cuda) or all of them (all); the 15 slowest
+#  10 kernels_tests        tests/kernels, -k cuda (GPU_CHECK_TESTS=cuda) or all of them (all); the 15 slowest
 #                          listed                                           120 s  GPU_CHECK_TESTS=none|cuda|all
 # <gpu> is the device's name in lower case with dashes (e.g. nvidia-h100-80gb-hbm3), <tag> is "cuda_" and
 # the name with spaces as dashes; in the dry run both are "cpu" (the replay's tag there is "cpu_tiny").
@@ -93,11 +100,14 @@ BENCH="${GPU_CHECK_BENCH:-quick}"
 TESTS="${GPU_CHECK_TESTS:-none}"
 if [ "$MODE" = dry ]; then OUT_DIR="${OUT:-${TMPDIR:-/tmp}/gpu_check_dry_run}"; else OUT_DIR="${OUT:-benchmarks/results}"; fi
 
-STEPS=(replay profile single_gpu kernels_bench varlen_choice_tests dit_inductor_step
+STEPS=(replay longest_sequence profile single_gpu kernels_bench varlen_choice_tests dit_inductor_step
        compiled_choice_tests packed_vs_padded kernels_tests)
-declare -A DEFAULT_BUDGET=([replay]=140 [profile]=100 [single_gpu]=110 [kernels_bench]=60 [varlen_choice_tests]=30
-                           [dit_inductor_step]=80 [compiled_choice_tests]=60 [packed_vs_padded]=60 [kernels_tests]=120)
-declare -A TABLES=([replay]="replay_*.md replay_*.json" [profile]="profile_*.md profile_*.json"
+declare -A DEFAULT_BUDGET=([replay]=140 [longest_sequence]=120 [profile]=80 [single_gpu]=90 [kernels_bench]=60
+                           [varlen_choice_tests]=30 [dit_inductor_step]=80 [compiled_choice_tests]=60
+                           [packed_vs_padded]=60 [kernels_tests]=120)
+declare -A TABLES=([replay]="replay_*.md replay_*.json"
+                   [longest_sequence]="longest_sequence_*.md longest_sequence_*.json"
+                   [profile]="profile_*.md profile_*.json"
                    [single_gpu]="single_gpu_*.md single_gpu_*.json"
                    [kernels_bench]="kernels_*.csv kernels_*.png varlen_choice_*.json" [varlen_choice_tests]=""
                    [dit_inductor_step]="dit_inductor_step_*.md dit_inductor_step_*.json" [compiled_choice_tests]=""
@@ -122,10 +132,11 @@ budget_of() {  # the step's budget in seconds, knobs applied
 enabled_of() {  # "on" or "off (<knob>)"
   case "$1" in
     replay) [ "${GPU_CHECK_REPLAY:-yes}" != no ] && echo on || echo "off (GPU_CHECK_REPLAY=no)" ;;
+    longest_sequence) [ "${GPU_CHECK_LONGEST:-yes}" != no ] && echo on || echo "off (GPU_CHECK_LONGEST=no)" ;;
     profile) [ "${GPU_CHECK_PROFILE:-yes}" != no ] && echo on || echo "off (GPU_CHECK_PROFILE=no)" ;;
     single_gpu) [ "${GPU_CHECK_SINGLE:-yes}" != no ] && echo on || echo "off (GPU_CHECK_SINGLE=no)" ;;
     kernels_bench|varlen_choice_tests) [ "$BENCH" != none ] && echo on || echo "off (GPU_CHECK_BENCH=none)" ;;
-    dit_inductor_step) [ "${GPU_CHECK_DIT:-yes}" != no ] && echo on || echo "off (GPU_CHECK_DIT=no)" ;;
+    dit_inductor_step) [ "${GPU_CHECK_DIT:-no}" != no ] && echo on || echo "off (optional: GPU_CHECK_DIT=yes)" ;;
     compiled_choice_tests) [ "${GPU_CHECK_COMPILED_CHOICE:-no}" != no ] && echo on || echo "off (optional: GPU_CHECK_COMPILED_CHOICE=yes)" ;;
     packed_vs_padded) [ "${GPU_CHECK_PACKED:-no}" != no ] && echo on || echo "off (optional: GPU_CHECK_PACKED=yes)" ;;
     kernels_tests) [ "$TESTS" != none ] && echo on || echo "off (optional: GPU_CHECK_TESTS=cuda or all)" ;;
@@ -143,6 +154,13 @@ command_of() {  # name, limit: sets CMD (empty with SKIP_REASON set when the ste
       [ -n "${GPU_CHECK_REPLAY_INNER:-}" ] && CMD+=(--inner "$GPU_CHECK_REPLAY_INNER")
       # shellcheck disable=SC2206  # word splitting wanted: extra arguments
       [ -n "${GPU_CHECK_REPLAY_ARGS:-}" ] && CMD+=(${GPU_CHECK_REPLAY_ARGS})
+      ;;
+    longest_sequence)
+      CMD=(python benchmarks/longest_sequence.py --device "$device" --out-dir "$OUT_DIR"
+           --budget-s $(( limit > 30 ? limit - 10 : limit )))
+      [ "$MODE" = dry ] && CMD+=(--tiny)
+      # shellcheck disable=SC2206  # word splitting wanted: extra arguments
+      [ -n "${GPU_CHECK_LONGEST_ARGS:-}" ] && CMD+=(${GPU_CHECK_LONGEST_ARGS})
       ;;
     profile)
       CMD=(python benchmarks/profile_blocks.py --device "$device" --budget-s $(( limit > 30 ? limit - 10 : limit )) --out-dir "$OUT_DIR")

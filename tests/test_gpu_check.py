@@ -16,8 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-PRIORITY = ["replay", "profile", "single_gpu", "kernels_bench", "varlen_choice_tests", "dit_inductor_step"]
-OPTIONAL = ["compiled_choice_tests", "packed_vs_padded", "kernels_tests"]
+PRIORITY = ["replay", "longest_sequence", "profile", "single_gpu", "kernels_bench", "varlen_choice_tests"]
+OPTIONAL = ["dit_inductor_step", "compiled_choice_tests", "packed_vs_padded", "kernels_tests"]
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -55,12 +55,20 @@ def test_steps_run_most_valuable_first_and_the_default_budgets_fit_the_total() -
     assert on <= totals["total"], f"default budgets {on} s exceed GPU_CHECK_TOTAL={totals['total']} s"
     # The replay is called as its developer defined it: measured compute on the GPU found.
     assert steps["replay"]["command"] == "python benchmarks/replay.py --device cuda --out-dir benchmarks/results"
+    # Issue 37's longest sequence: second, 120 s, on the GPU found, its own budget inside the step's limit.
+    longest = steps["longest_sequence"]
+    assert longest["budget"] == 120 and longest["tables"] == ["longest_sequence_*.md", "longest_sequence_*.json"]
+    assert longest["command"].startswith("python benchmarks/longest_sequence.py --device cuda --out-dir ")
+    assert "--budget-s 110" in longest["command"] and "--tiny" not in longest["command"]
 
 
 def test_knobs_change_the_plan() -> None:
     steps, totals = _plan(GPU_CHECK_PROFILE="no", GPU_CHECK_BUDGET_REPLAY="10", GPU_CHECK_TIMEOUT="50",
-                          GPU_CHECK_TESTS="cuda", GPU_CHECK_TOTAL="300", GPU_CHECK_BENCH="full")
+                          GPU_CHECK_TESTS="cuda", GPU_CHECK_TOTAL="300", GPU_CHECK_BENCH="full",
+                          GPU_CHECK_LONGEST="no", GPU_CHECK_DIT="yes")
     assert not steps["profile"]["on"] and "GPU_CHECK_PROFILE=no" in steps["profile"]["state"]
+    assert not steps["longest_sequence"]["on"] and "GPU_CHECK_LONGEST=no" in steps["longest_sequence"]["state"]
+    assert steps["dit_inductor_step"]["on"]
     assert steps["replay"]["budget"] == 10
     assert all(s["budget"] <= 50 for s in steps.values())  # GPU_CHECK_TIMEOUT caps every step
     assert steps["kernels_tests"]["on"] and "-k cuda" in steps["kernels_tests"]["command"]
@@ -70,10 +78,10 @@ def test_knobs_change_the_plan() -> None:
 
 def test_the_dry_run_runs_every_step_on_the_cpu_at_tiny_sizes() -> None:
     steps, _ = _plan("--dry-run")
-    for name in ("replay", "profile", "single_gpu", "kernels_bench", "dit_inductor_step"):
+    for name in ("replay", "longest_sequence", "profile", "single_gpu", "kernels_bench", "dit_inductor_step"):
         assert "--tiny" in steps[name]["command"], steps[name]["command"]
         assert "--device cuda" not in steps[name]["command"]
-    assert "--device cpu" in steps["replay"]["command"]
+    assert "--device cpu" in steps["replay"]["command"] and "--device cpu" in steps["longest_sequence"]["command"]
     for name in ("varlen_choice_tests", "compiled_choice_tests"):  # the CUDA selections' CPU counterparts
         assert "-k not\\ cuda" in steps[name]["command"], steps[name]["command"]
     assert steps["packed_vs_padded"]["command"].startswith("skipped: ")
@@ -173,7 +181,7 @@ def test_a_step_past_its_budget_is_stopped_and_its_tables_say_partial(tmp_path: 
     the step timed out."""
     out = tmp_path / "out"
     env = _clean_env(OUT=str(out), GPU_CHECK_REPLAY="no", GPU_CHECK_PROFILE="no", GPU_CHECK_SINGLE="no",
-                     GPU_CHECK_DIT="no", GPU_CHECK_BUDGET_KERNELS_BENCH="10", GPU_CHECK_MIN_STEP="5",
+                     GPU_CHECK_LONGEST="no", GPU_CHECK_BUDGET_KERNELS_BENCH="10", GPU_CHECK_MIN_STEP="5",
                      GPU_CHECK_KERNELS_ARGS="--wall-clock-repeats 40")
     started = time.monotonic()
     run = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env, cwd=ROOT,
