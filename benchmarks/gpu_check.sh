@@ -19,24 +19,25 @@
 #
 # Steps, most valuable first (name: what, default budget in seconds, knob that turns it off/on):
 #   1 replay               benchmarks/replay.py --device cuda: the DCP-vs-baselines comparison on measured
-#                          compute (replay_<tag>.md/.json)                  140 s  GPU_CHECK_REPLAY=yes|no
+#                          compute (replay_<tag>.md/.json)                  120 s  GPU_CHECK_REPLAY=yes|no
 #   2 longest_sequence     benchmarks/longest_sequence.py --device cuda (issue 37): the longest sequence one GPU
 #                          trains, measured, beside the cost model's prediction: a Llama-3-8B-shaped LM with one
 #                          of its 32 layers, bf16, SP 1, recompute lean, offload, block; a lean try near 800K
-#                          tokens takes 1-2 minutes on an H100, so at this budget it is likely time-capped (a
-#                          measured lower bound): GPU_CHECK_BUDGET_LONGEST_SEQUENCE=240 for the whole try on an
-#                          H100, ~420 on an H200; GPU_CHECK_LONGEST_ARGS more arguments
-#                          (longest_sequence_<gpu>.md/.json)                120 s  GPU_CHECK_LONGEST=yes|no
+#                          tokens takes 1-2 minutes on an H100: this budget holds lean's first try there and
+#                          little more (GPU_CHECK_BUDGET_LONGEST_SEQUENCE=240 for every policy); on an H200 lean's
+#                          try (~1.5M tokens) is time-capped, a measured lower bound (~420 s for the whole try);
+#                          GPU_CHECK_LONGEST_ARGS more arguments
+#                          (longest_sequence_<gpu>.md/.json)                200 s  GPU_CHECK_LONGEST=yes|no
 #   3 profile              benchmarks/profile_blocks.py: held-out error of the profiled cost model, a DiT and a
 #                          GPT block stack at real width, SP 1 2 4 8, recompute none/full, inner
 #                          GPU_CHECK_PROFILE_INNER (default aot_eager: Inductor's compiles of 16 variants would
-#                          not fit) (profile_cuda_<gpu>.md/.json)            80 s  GPU_CHECK_PROFILE=yes|no
+#                          not fit) (profile_cuda_<gpu>.md/.json)            70 s  GPU_CHECK_PROFILE=yes|no
 #   4 single_gpu           benchmarks/single_gpu.py: DCP at SP 1 vs static and bucket schedules on a Wan 2.1
 #                          1.3B-wide DiT and a Llama-1B-wide LM, 4 layers each, bf16, aot_eager; its --budget-s
 #                          is GPU_CHECK_SINGLE_BUDGET (default: the step's limit less 20 s)
-#                          (single_gpu_<gpu>.md/.json)                       90 s  GPU_CHECK_SINGLE=yes|no
+#                          (single_gpu_<gpu>.md/.json)                       70 s  GPU_CHECK_SINGLE=yes|no
 #   5 kernels_bench        benchmarks/kernel_benchmarks.py [--quick]: the kernels against their torch paths
-#                          (kernels_<gpu>.csv/.png, varlen_choice_<gpu>.json) 60 s  GPU_CHECK_BENCH=quick|full|none
+#                          (kernels_<gpu>.csv/.png, varlen_choice_<gpu>.json) 30 s  GPU_CHECK_BENCH=quick|full|none
 #   6 varlen_choice_tests  tests/kernels/test_kernels_attention_choice.py -k cuda: every varlen implementation
 #                          against the reference on CUDA (a log only)        30 s  on unless GPU_CHECK_BENCH=none
 #   Optional, off by default, run only in the time left:
@@ -102,7 +103,7 @@ if [ "$MODE" = dry ]; then OUT_DIR="${OUT:-${TMPDIR:-/tmp}/gpu_check_dry_run}"; 
 
 STEPS=(replay longest_sequence profile single_gpu kernels_bench varlen_choice_tests dit_inductor_step
        compiled_choice_tests packed_vs_padded kernels_tests)
-declare -A DEFAULT_BUDGET=([replay]=140 [longest_sequence]=120 [profile]=80 [single_gpu]=90 [kernels_bench]=60
+declare -A DEFAULT_BUDGET=([replay]=120 [longest_sequence]=200 [profile]=70 [single_gpu]=70 [kernels_bench]=30
                            [varlen_choice_tests]=30 [dit_inductor_step]=80 [compiled_choice_tests]=60
                            [packed_vs_padded]=60 [kernels_tests]=120)
 declare -A TABLES=([replay]="replay_*.md replay_*.json"
