@@ -175,6 +175,29 @@ def test_presets_have_the_published_shapes() -> None:
         ModelProfile.from_config("gpt-17")
 
 
+def test_a_hugging_face_llama_config_reads_as_rotary_in_either_major_version() -> None:
+    """transformers 4 kept ``rope_theta`` on the config, transformers 5 inside ``rope_parameters``:
+    either way ``full`` keeps the one RoPE table the model hands every block (under 5 it was read
+    as a model without one)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+
+    def kept(profile: ModelProfile) -> float:
+        return profile.head_activation_bytes_per_token["full"]
+
+    shape = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=128, gated_mlp=True,
+                 vocab_size=256)
+    with_table = kept(ModelProfile.transformer("t", rotary=True, **shape))
+    assert with_table > kept(ModelProfile.transformer("t", rotary=False, **shape))
+    assert kept(ModelProfile.from_config(config)) == with_table
+    fields = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 128, "vocab_size": 256, "hidden_act": "silu"}
+    assert kept(ModelProfile.from_config({**fields, "rope_theta": 5e5})) == with_table
+    assert kept(ModelProfile.from_config({**fields, "rope_parameters": {"rope_theta": 5e5}})) == with_table
+    assert kept(ModelProfile.from_config(fields)) < with_table
+
+
 class _TinyBlock(torch.nn.Module):
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()

@@ -371,8 +371,9 @@ def preset_shape(name: str) -> tuple[str, dict[str, Any]]:
 def config_shape(config: Mapping[str, Any] | Any) -> tuple[str, dict[str, Any]]:
     """(name, :func:`transformer_fields` keywords) read from a dict or a Hugging Face-style config
     (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
-    ``intermediate_size``, ``vocab_size``, ``hidden_act``; ``rope_theta`` marks a model that builds
-    one RoPE table for all its layers, as Hugging Face's Llama-family models do)."""
+    ``intermediate_size``, ``vocab_size``, ``hidden_act``; ``rope_theta`` or ``rope_parameters``
+    marks a model that builds one RoPE table for all its layers, as Hugging Face's Llama-family
+    models do)."""
 
     def read(*names: str, default: Any = None) -> Any:
         for name in names:
@@ -401,5 +402,6 @@ def config_shape(config: Mapping[str, Any] | Any) -> tuple[str, dict[str, Any]]:
         gated_mlp=activation in ("silu", "swiglu", "swish"),
         vocab_size=int(read("vocab_size", default=0) or 0),
         causal=bool(read("is_causal", "causal", default=True)),
-        rotary=read("rope_theta", default=None) is not None,
+        # transformers 5 keeps rope_theta inside rope_parameters; 4.x on the config itself
+        rotary=read("rope_theta", "rope_parameters", default=None) is not None,
     )
