@@ -246,6 +246,49 @@ def test_baselines_follow_the_published_rules() -> None:
         scheduler.schedule(lengths).validate(len(lengths))
 
 
+def published_accumulation_counts(times, max_accumulation: int, min_accumulation: int = 1) -> list[int]:
+    """DCP-inter's accumulation search as published (VideoSys), loop for loop: the reference the
+    scheduler's scored-together search must equal."""
+    limit = max(times) * max_accumulation
+    best_counts, best_penalty = None, math.inf
+    for outer in times:
+        for multiple in range(1, int(limit / outer) + 1):
+            target = outer * multiple
+            if target > limit:
+                break
+            counts, penalty = [], 0.0
+            for inner in times:
+                best_inner, best_count = math.inf, 1
+                for count in range(1, int(limit / inner) + 1):
+                    value = inner * count
+                    if value > limit:
+                        break
+                    score = (value - target) * 1.2 if value > target else (target - value)
+                    if score < best_inner:
+                        best_inner, best_count = score, count
+                counts.append(best_count)
+                penalty += best_inner
+            if penalty < best_penalty:
+                best_penalty, best_counts = penalty, counts
+    counts = best_counts or [1] * len(times)
+    if max(counts) < min_accumulation:
+        factor = math.ceil(min_accumulation / max(counts))
+        counts = [c * factor for c in counts]
+    return counts
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.lists(st.one_of(st.floats(0.02, 1.0), st.sampled_from([0.1, 0.2, 0.3, 0.25, 0.5, 1.0])), min_size=1,
+                max_size=5),
+       st.integers(1, 4), st.integers(1, 12))
+def test_the_accumulation_search_equals_the_published_loops(times, max_accumulation, min_accumulation) -> None:
+    """Times fifty-fold apart (an 8-token bucket beside a long one made the loops take minutes;
+    the reference's own loops bound the spread a test can afford), and equal or simply related
+    times (ties, targets that land on a count exactly)."""
+    assert DCPInterScheduler.accumulation_counts(times, max_accumulation, min_accumulation) == \
+        published_accumulation_counts(times, max_accumulation, min_accumulation)
+
+
 def test_unplannable_sequences_get_a_clear_error() -> None:
     with pytest.raises(PlanningError, match="fits on no SP group.*use more ranks"):
         Planner(LLM_MODEL, 2).plan([1024, 10_000_000])

@@ -55,13 +55,16 @@ import logging
 import math
 import random
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from dcp_compile.variant import RecomputePolicy
 
 from .cost_model import CostModel
 from .plan import Schedule, ScheduledMicroBatch
 from .published_sp import published_time
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -484,6 +487,28 @@ class DCPIntraScheduler(_RoundScheduler):
         return sp_buckets
 
 
+def _best_counts(target: "torch.Tensor", inner: "torch.Tensor", limit: float) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """For each group time ``inner[i]`` and target ``target[j]``, the published count (1 to
+    ``limit / inner``, ``inner * count`` not over ``limit``; least penalty, the smallest count of
+    equal ones) and its penalty (inf where no count is allowed, as the loops leave it): ``[i, j]``."""
+    import torch  # the schedule package imports torch only where it computes with it
+
+    inner = inner[:, None]
+    most = torch.floor(limit / inner)  # int(limit / inner) for a positive quotient
+    floor = torch.floor(target[None, :] / inner)
+    best_score = torch.full_like(floor, math.inf)
+    best_count = torch.ones_like(floor)
+    for offset in (-1.0, 0.0, 1.0, 2.0):  # float division may land one off the true floor
+        count = floor + offset
+        value = count * inner
+        allowed = (count >= 1) & (count <= most) & (value <= limit)
+        score = torch.where(value > target, (value - target) * 1.2, target - value)
+        better = allowed & (score < best_score)  # counts ascend: a tie keeps the smaller
+        best_score = torch.where(better, score, best_score)
+        best_count = torch.where(better, count, best_count)
+    return best_count.to(torch.int64), best_score
+
+
 class DCPInterScheduler(_RoundScheduler):
     """The published inter-iteration schedule: per-group gradient accumulation chosen by the
     asymmetric penalty (1.2 x overshoot, 1.0 x undershoot), optionally with pyramid recompute."""
@@ -512,29 +537,30 @@ class DCPInterScheduler(_RoundScheduler):
     def accumulation_counts(times: Sequence[float], max_accumulation: int, min_accumulation: int = 1) -> list[int]:
         """The published search: try every target ``t_j * m`` up to ``max(t) * max_accumulation``; each
         group takes the count minimising 1.2 x overshoot / 1.0 x undershoot; keep the target with
-        the least total penalty; scale up if the largest count is below ``min_accumulation``."""
+        the least total penalty; scale up if the largest count is below ``min_accumulation``.
+
+        The published loops try every count of every group for every target: with a bucket a
+        thousand times faster than the slowest that is billions of steps. A group's penalty falls
+        until its count reaches the target and rises after, so its best count is one of the two
+        around ``target / t``; the targets of one ``t_j`` are scored together. Same counts and the
+        same float sums, in the published order (``tests/test_planner.py`` checks it against the loops)."""
+        import torch  # the schedule package imports torch only where it computes with it
+
         limit = max(times) * max_accumulation
         best_counts: list[int] | None = None
         best_penalty = math.inf
+        inner = torch.tensor(list(times), dtype=torch.float64)
         for outer in times:
-            for multiple in range(1, int(limit / outer) + 1):
-                target = outer * multiple
-                if target > limit:
-                    break
-                counts, penalty = [], 0.0
-                for inner in times:
-                    best_inner, best_count = math.inf, 1
-                    for count in range(1, int(limit / inner) + 1):
-                        value = inner * count
-                        if value > limit:
-                            break
-                        score = (value - target) * 1.2 if value > target else (target - value)
-                        if score < best_inner:
-                            best_inner, best_count = score, count
-                    counts.append(best_count)
-                    penalty += best_inner
-                if penalty < best_penalty:
-                    best_penalty, best_counts = penalty, counts
+            targets = [outer * multiple for multiple in range(1, int(limit / outer) + 1)]
+            cut = next((i for i, target in enumerate(targets) if target > limit), len(targets))
+            if cut == 0:
+                continue
+            counts, scores = _best_counts(torch.tensor(targets[:cut], dtype=torch.float64), inner, limit)
+            penalty = torch.cumsum(scores, dim=0)[-1]  # summed group by group from 0.0, as the loops add
+            index = int(torch.argmin(penalty))  # the first of equal penalties, as the loops keep it
+            if float(penalty[index]) < best_penalty:
+                best_penalty = float(penalty[index])
+                best_counts = [int(c) for c in counts[:, index]]
         counts = best_counts or [1] * len(times)
         if max(counts) < min_accumulation:
             factor = math.ceil(min_accumulation / max(counts))
