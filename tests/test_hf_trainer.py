@@ -6,7 +6,16 @@ on, a checkpoint after every update. Its parameters must equal one process train
 global batch (the mean token loss over the samples of both steps, clipped, AdamW) to 1e-5; every
 SP-2 variant the plans used must have run every attention site under Ulysses with no gather; and a
 second Trainer resumed from the first checkpoint through ``train(resume_from_checkpoint=...)``
-(the sampler's position read back from the checkpoint folder) must end at the same parameters.
+(the Trainer skips the trained steps through ``skip_first_batches``; the checkpoint folder's
+sampler position must agree) must end at the same parameters. What the Trainer logs is the global
+loss: every rank logs the first update's loss of the whole world (``logging_first_step``) and the
+same ``train_loss``, which includes the later updates' loss never logged before training ended,
+each equal to one process's full-batch loss. A Trainer that does not see the process group (on
+CPU without ``use_cpu=True``: transformers' "parallel_mode != ParallelMode.DISTRIBUTED" warning)
+is refused with the fix.
+
+``tests/test_hf_versions.py`` runs this file and ``tests/test_accelerate.py`` with the oldest
+transformers and accelerate that pyproject.toml declares.
 """
 
 from __future__ import annotations
@@ -53,29 +62,41 @@ def cost_model() -> CostModel:
     return CostModel(ModelProfile.from_config("llama-3-8b"), Hardware.H200, optimizer_shards=2)
 
 
-def training_arguments(output_dir: str):
+def training_arguments(output_dir: str, use_cpu: bool = True):
     from transformers import TrainingArguments
 
     return TrainingArguments(
         output_dir=output_dir, num_train_epochs=1, gradient_accumulation_steps=ACCUMULATION, learning_rate=1e-3,
         lr_scheduler_type="constant", adam_epsilon=1e-6, max_grad_norm=1.0, weight_decay=0.0, seed=SEED,
-        save_strategy="steps", save_steps=1, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
-        dataloader_num_workers=0,
+        save_strategy="steps", save_steps=1, logging_steps=100, logging_first_step=True, report_to=[],
+        use_cpu=use_cpu, disable_tqdm=True, dataloader_num_workers=0,
     )
 
 
-def make_trainer(output_dir: str):
+def make_trainer(output_dir: str, **arguments):
     from dcp_compile.huggingface import DataCentricArguments, DataCentricTrainer
 
     return DataCentricTrainer(
-        model=tiny_llama(), args=training_arguments(output_dir), train_dataset=dataset(), data_collator=collate,
+        model=tiny_llama(), args=training_arguments(output_dir, **arguments), train_dataset=dataset(),
+        data_collator=collate,
         dcp_args=DataCentricArguments(tokens_per_step=TOKENS_PER_STEP, cost_model=cost_model(),
                                       max_tokens_per_rank=MAX_TOKENS_PER_RANK, compile_options={"inner": "eager"}),
     )
 
 
+def _refusal(output_dir: str) -> tuple[int, str]:
+    """Without use_cpu=True on a CPU, recent accelerate releases give the Trainer a world of one
+    process (older ones find the process group): the world it sees, and the error it gets."""
+    try:
+        trainer = make_trainer(output_dir, use_cpu=False)
+    except ValueError as error:
+        return training_arguments(output_dir, use_cpu=False).world_size, str(error)
+    return trainer.args.world_size, "no error"
+
+
 def _train(rank: int, world_size: int, output_dir: str) -> dict:
     multiprocessing.current_process()._config["daemon"] = False  # as under torchrun (DataLoader workers)
+    refusal = _refusal(output_dir)
     trainer = make_trainer(output_dir)
     trainer.train()
     loader = trainer.step_loader
@@ -90,6 +111,8 @@ def _train(rank: int, world_size: int, output_dir: str) -> dict:
     resumed = make_trainer(output_dir)
     resumed.train(resume_from_checkpoint=str(Path(output_dir) / "checkpoint-1"))
     return {
+        "refusal": refusal,
+        "train_loss": [entry["train_loss"] for entry in trainer.state.log_history if "train_loss" in entry],
         "updates": trainer.state.global_step,
         "sp_sizes": sp_sizes,
         "sharding_problems": sharding_problems(record, 0),
@@ -135,7 +158,14 @@ def test_data_centric_trainer_epoch_equals_one_process_and_resumes(tmp_path: Pat
         assert 2 in result["sp_sizes"], f"rank {rank}: no SP-2 micro-batch was planned: {result['sp_sizes']}"
         assert not result["sharding_problems"], (rank, result["sharding_problems"])
         assert result["sp2_sites"] and all(sites == 2 for sites in result["sp2_sites"]), result["sp2_sites"]
-        torch.testing.assert_close(torch.tensor(result["logged_losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+        seen, refusal = result["refusal"]
+        assert ("sees 1 process" in refusal and "use_cpu=True" in refusal) if seen == 1 else refusal == "no error", (
+            seen, refusal)
+        # the global loss on every rank: train_loss (the later updates' loss unlogged until the end), the first update's
+        torch.testing.assert_close(torch.tensor(result["train_loss"]), torch.tensor([sum(losses) / len(losses)]),
+                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(result["logged_losses"]), torch.tensor(losses[:1]),
+                                   rtol=1e-5, atol=1e-6)
         for key in ("parameters", "resumed"):
             for name, value in expected.items():
                 torch.testing.assert_close(torch.tensor(result[key][name]), value, rtol=1e-5, atol=1e-5,

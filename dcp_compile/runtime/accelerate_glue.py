@@ -21,6 +21,12 @@ the model and applies Accelerate's mixed precision without the DDP wrapper, and 
 gradients are summed once by :func:`dcp.sync_gradients`. ``accelerator.accumulate`` is not needed:
 the planner's micro-batches are the accumulation, so the Accelerator must keep
 ``gradient_accumulation_steps=1`` (its ``backward`` would otherwise divide every loss again).
+
+The Accelerator must see the ``torch.distributed`` world (``accelerate launch``, or torchrun, on
+GPUs; ``Accelerator(cpu=True)`` or ``accelerate launch --cpu`` on CPU): one that does not would
+let every rank act as the main process. :func:`prepare_model` refuses it, naming the fix.
+Resuming: ``accelerator.load_state`` puts the loader at the first step not yet trained, so do not
+also ``accelerator.skip_first_batches`` it.
 """
 
 from __future__ import annotations
@@ -32,9 +38,28 @@ import torch
 from dcp_compile.runtime.step_loader import DataCentricStepLoader
 
 
+def check_world(seen: int, who: str, cpu_fix: str) -> None:
+    """``who`` must see the torch.distributed world: it saves on one rank and reduces what it logs.
+
+    A process group the framework did not see is what transformers' warning "torch.distributed
+    process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED" is about.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or seen == dist.get_world_size():
+        return
+    raise ValueError(
+        f"dcp: torch.distributed runs {dist.get_world_size()} ranks but {who} sees {seen} process(es), so every "
+        f"rank would act as the main one (each writing checkpoints, each logging its own loss). On CPU, {cpu_fix}; "
+        "on GPUs, launch with torchrun or accelerate launch, which set the LOCAL_RANK and WORLD_SIZE it reads"
+    )
+
+
 def _check_accelerator(accelerator: Any) -> None:
     from accelerate.utils import DistributedType
 
+    check_world(accelerator.num_processes, "the Accelerator",
+                "build Accelerator(cpu=True) (or launch with `accelerate launch --cpu`)")
     if accelerator.gradient_accumulation_steps != 1:
         raise ValueError(
             f"dcp: the Accelerator has gradient_accumulation_steps={accelerator.gradient_accumulation_steps}, and "
