@@ -126,3 +126,74 @@ def test_a_plan_compiles_only_the_variants_it_runs(fake_world):
         compiled(torch.randn(2, 12, 8)).backward()
         explained = dcp.explain(compiled, torch.randn(2, 12, 8))
     assert list(explained[0].variants) == [dcp.Variant(1, "full")]
+
+
+# --- regional compilation: the regions compile at a variant's first call, and its line says so ----
+
+REGIONS_LINE = re.compile(r"^dcp: compiled graph \d+ variant (\S+) in \d+\.\ds \(\+ (\d+) regions? compiled"
+                          r"(?: in (\d+\.\d)s)?, (\d+) reused from the cache\) \(aot_eager\)$")
+
+
+def test_a_variant_in_regions_counts_its_region_compiles_and_their_time(caplog, monkeypatch):
+    """Its line comes after its first call, when its regions compiled (issue 34: "in 1.0s" for a
+    step of 60 s); the record and dcp.explain carry the same counts; the first call beats per region."""
+    from dcp_compile.compiler.regions import REGION_CACHE
+
+    caplog.set_level(logging.INFO, logger="dcp_compile")
+    monkeypatch.setattr(progress, "HEARTBEAT_SECONDS", 0.001)
+    monkeypatch.setattr(progress, "shows_progress", lambda: True)  # beats are logged too (caplog sees them)
+    REGION_CACHE.clear()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled = torch.compile(_Attention(), backend="dcp", dynamic=True, options={"inner": "aot_eager", "regions": True})
+    for variant in (dcp.Variant(1, "none"), dcp.Variant(1, "full")):
+        with dcp.use(variant):
+            compiled(torch.randn(2, 12, 8)).backward()
+    with dcp.use(dcp.Variant(1, "none")):
+        record = dcp.explain(compiled, torch.randn(2, 12, 8))[0]
+    messages = [r.getMessage() for r in caplog.records]
+    lines = [m for m in map(REGIONS_LINE.match, messages) if m]
+    assert [m.group(1) for m in lines] == ["sp=1/recompute=none", "sp=1/recompute=full"], messages
+    by_name = {str(key): variant for key, variant in record.variants.items()}
+    for line in lines:
+        counts = by_name[line.group(1)].region_compiles
+        assert (int(line.group(2)), int(line.group(4))) == (counts.compiled, counts.reused)
+        assert line.group(3) == (f"{counts.seconds:.1f}" if counts.compiled else None)
+    first, second = (record.variants[dcp.Variant(1, policy)].region_compiles for policy in ("none", "full"))
+    assert first.compiled == REGION_CACHE.compiles > 0 and first.seconds > 0 and first.reused == 0
+    assert second.compiled == 0 and second.reused == first.compiled  # the same code: every region shared
+    assert f"+ {first}" in str(record) and "regions: 2 compiled region(s)" in str(record), str(record)
+    beats = _beats("\n".join(messages))
+    assert any(stage.startswith("aot_eager: region 1 of 2") for _, stage in beats), beats
+
+
+def _batch_then(shape: tuple[int, int, int], first: tuple[int, int, int] = (2, 12, 8)) -> list[str | None]:
+    """Why the graph that ``shape`` runs was compiled, after a call of ``first`` (dcp.explain's record)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_Attention(), backend="dcp", dynamic=True, options={"inner": "eager"})
+    with dcp.use(dcp.Variant(1)):
+        compiled(torch.randn(*first))
+        compiled(torch.randn(*shape))
+        record = dcp.explain(compiled, torch.randn(*shape))
+    return [graph.new_graph_reason for graph in record.graphs]
+
+
+def test_a_micro_batch_of_one_sample_says_why_it_is_a_new_graph(caplog):
+    caplog.set_level(logging.INFO, logger="dcp_compile")
+    reasons = _batch_then((1, 12, 8))
+    messages = [r.getMessage() for r in caplog.records]
+    first, second = (int(m.split()[3]) for m in messages if m.startswith("dcp: analysed graph"))
+    said = [m for m in messages if m.startswith(f"dcp: graph {second} is ")]
+    assert len(said) == 1 and messages.index(said[0]) < messages.index(  # said before its analysis ends
+        next(m for m in messages if m.startswith(f"dcp: analysed graph {second} "))), messages
+    why = said[0].removeprefix(f"dcp: graph {second} is ")
+    assert re.fullmatch(r"a new graph for a micro-batch of 1 sample: Dynamo specialises a dimension of size 1 "
+                        rf"\(x dim 0, s\d+ in graph {first}\); its variants compile once more, other sizes "
+                        rf"keep running graph {first}", why), why
+    assert reasons == [why], reasons  # dcp.explain's record carries it
+    reasons = _batch_then((2, 1, 8))
+    assert reasons[0].startswith("a new graph for a sequence of 1 token: Dynamo specialises"), reasons
+    reasons = _batch_then((2, 12, 8), first=(1, 12, 8))  # the other way round
+    assert re.fullmatch(r"a new graph for sizes other than 1: graph \d+ was traced for a micro-batch of 1 sample "
+                        r"and Dynamo specialises .*; its variants compile once more, a micro-batch of 1 sample "
+                        r"keeps running graph \d+", reasons[0]), reasons

@@ -225,6 +225,7 @@ def test_the_html_report_names_the_regions(fake_world):
         page = model_report_html(dcp.explain(compiled, **case.make_inputs(20)))
     assert "compiled region(s) (shared by code across variants)" in page
     assert "regional compilation: each region partitions its own backward" in page
+    assert "reused from the cache at its first call" in page  # the regions' compiles beside the variant's
 
 
 def test_regions_with_the_same_code_and_other_constants_do_not_share_a_compile():

@@ -26,11 +26,12 @@ from dcp_compile.compiler.free_integers import (
 from dcp_compile.compiler.graph_capture import capture_aten_graph, retrace
 from dcp_compile.compiler.inspection import snapshots_requested
 from dcp_compile.compiler.options import parse_options
-from dcp_compile.compiler.progress import AnalysedGraph, compiling, report_compiled
+from dcp_compile.compiler.progress import AnalysedGraph, NewGraph, compiling, report_compiled
 from dcp_compile.compiler.passes import ANALYSIS_PASSES, VARIANT_PASSES, run_passes
 from dcp_compile.compiler.passes.context import Analysis, PassContext
 from dcp_compile.compiler.passes.shard_sequence import SCALAR_READS
 from dcp_compile.compiler.record import GraphRecord
+from dcp_compile.compiler.specialised_sizes import new_graph_reason, remember
 from dcp_compile.compiler.variant_selection import active_variant
 from dcp_compile.runtime.process_groups import create_sp_groups
 
@@ -48,32 +49,47 @@ def dcp_backend(gm: fx.GraphModule, example_inputs: list[Any],
         # Every rank compiles the same graphs in the same order: create the SP groups here, so
         # that ranks choosing different variants later never wait on each other in new_group.
         create_sp_groups(extra_sizes=[b.variant.sp_size for b in parsed.buckets] + [parsed.sp_size or 1])
+    why = new_graph_reason(gm, example_inputs)  # another graph of a function compiled before: why
     with compiling("a graph from dynamo", "ATen re-trace"):
         aten_gm, fake_inputs, fake_mode = capture_aten_graph(gm, example_inputs)
     free = free_integer_inputs(fake_inputs)
     if not free:
-        return analysed_dispatcher(aten_gm, fake_inputs, fake_mode, example_inputs, parsed, start)
+        dispatcher = analysed_dispatcher(aten_gm, fake_inputs, fake_mode, example_inputs, parsed, start, why=why)
+        remember_graph(gm, example_inputs, dispatcher)
+        return dispatcher
     names = input_names(gm, free)
 
     def build(key: tuple[int | None, ...]) -> Dispatcher:
         if all(value is None for value in key):
-            return analysed_dispatcher(aten_gm, fake_inputs, fake_mode, example_inputs, parsed, time.perf_counter())
+            return analysed_dispatcher(aten_gm, fake_inputs, fake_mode, example_inputs, parsed, time.perf_counter(),
+                                       why=why)
         began = time.perf_counter()
         inputs = specialized_inputs(fake_inputs, free, key)
         specialised = retrace(fx.Interpreter(aten_gm).run, inputs, fake_mode)
         return analysed_dispatcher(specialised, inputs, fake_mode, example_inputs, parsed, began,
-                                   specialization=describe(names, key))
+                                   specialization=describe(names, key), why=why)
 
     specializations = IntegerSpecializations(free, names, build)
     # Built now, inside dynamo's compile, like a static variant (see analysed_dispatcher).
-    specializations.dispatcher_for([value_without_guard(example_inputs[i]) for i in free])
+    first = specializations.dispatcher_for([value_without_guard(example_inputs[i]) for i in free])
+    remember_graph(gm, example_inputs, first)
     return specializations
 
 
+def remember_graph(gm: fx.GraphModule, example_inputs: list[Any], dispatcher: Dispatcher) -> None:
+    """Keep the graph's input sizes: a later graph of the same function is told apart by them."""
+    sequence = dispatcher.analysis.sequence
+    remember(gm, example_inputs, dispatcher.record.graph_id, sequence.length if sequence is not None else None)
+
+
 def analysed_dispatcher(aten_gm: fx.GraphModule, fake_inputs: list[Any], fake_mode: Any, example_inputs: list[Any],
-                        parsed: Any, start: float, specialization: str | None = None) -> Dispatcher:
-    """Run the analysis passes once on ``aten_gm`` and wrap it in a dispatcher of variants."""
-    record = GraphRecord(next(_graph_ids), specialization=specialization)
+                        parsed: Any, start: float, specialization: str | None = None,
+                        why: str | None = None) -> Dispatcher:
+    """Run the analysis passes once on ``aten_gm`` and wrap it in a dispatcher of variants; ``why``:
+    why dynamo handed over another graph of a function compiled before (specialised_sizes)."""
+    record = GraphRecord(next(_graph_ids), specialization=specialization, new_graph_reason=why)
+    if why is not None:
+        report_compiled(NewGraph(record.graph_id, why))
     # Parameters' gradients stay partial (summed by the user's gradient sync); other inputs that
     # require grad get their full gradient on every rank (see collectives.replicated_input).
     analysis = Analysis(

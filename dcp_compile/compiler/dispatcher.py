@@ -8,11 +8,12 @@ variant. Variants compile lazily, on the first call that needs them, from the on
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import sympy
 import torch
@@ -23,13 +24,15 @@ from dcp_compile.compiler.options import DCPOptions
 from dcp_compile.compiler.inner_compilers import INNER_COMPILERS, floats_already_specialized
 from dcp_compile.compiler.inspection import collecting_records, snapshots_requested
 from dcp_compile.compiler.key_value_outputs import find_returned_key_values, warn_once_if_key_values_returned
-from dcp_compile.compiler.progress import CompiledVariant, compile_stage, compiling, report_compiled
+from dcp_compile.compiler.progress import (
+    CompiledVariant, RegionsCompiledAgain, compile_stage, compiling, report_compiled,
+)
 from dcp_compile.compiler.passes.context import Analysis, PassContext
 from dcp_compile.compiler.passes.pipeline import GraphInput, GraphPass, run_passes
 from dcp_compile.runtime.consistency import PendingCheck, SettledAfterCall, check_sp_group_agrees
 from dcp_compile.runtime.graph_parameters import note_graph_call, note_graph_outputs
 from dcp_compile.runtime.process_groups import current_world, sp_group
-from dcp_compile.compiler.record import GraphRecord, VariantRecord
+from dcp_compile.compiler.record import GraphRecord, RegionCompiles, VariantRecord
 from dcp_compile.compiler.regions import (
     INNER_REGION_COMPILERS, REGIONAL_POLICIES, describe_regions, regional_module, whole_graph_reason,
 )
@@ -96,6 +99,8 @@ class Dispatcher:
         self.static_variant = Variant(options.sp_size or world_size(), options.recompute)
         self.packed_sites = packed_sites(analysed)  # what the packed kernel choice reads per call
         self.packed_reasons: dict[Variant, str] = {}  # why each packed variant's kernel was chosen (first call)
+        # Variants compiled in regions whose line waits for their first call (the regions compile then).
+        self.unreported: set[tuple[Variant, tuple[float, ...]]] = set()
 
     def select(self, args: tuple) -> tuple[Variant, str]:
         variant = active_variant()
@@ -156,7 +161,8 @@ class Dispatcher:
         def run() -> Any:
             return compiled(*args, *(graph_input.provide() for graph_input in added)) if added else compiled(*args)
 
-        with SettledAfterCall(pending):  # the rank check issued beside this call is compared by its end
+        # the rank check issued beside this call is compared by its end
+        with SettledAfterCall(pending), self.regions_reported(variant, scalars, variant_record):
             if self.options.check and not variant.packed and (variant, scalars) not in self.checked:
                 self.checked.add((variant, scalars))
                 group = sp_group(variant.sp_size).process_group if variant.sp_size > 1 else None
@@ -177,10 +183,36 @@ class Dispatcher:
             compiled = self._compile_variant(variant, scalars)
         variant_record = self.record.variants[variant]
         variant_record.compile_seconds = time.perf_counter() - start
-        inner_name = "aot_eager, inductor failed" if variant_record.inner_fallback else self.options.inner
-        report_compiled(CompiledVariant(self.record.graph_id, str(variant), variant_record.compile_seconds,
-                                        inner_name))
+        if variant_record.compiled_in_regions:  # its regions compile at its first call: said after it
+            self.unreported.add((variant, scalars))
+        else:
+            report_compiled(self.compiled_line(variant_record))
         return compiled
+
+    def compiled_line(self, variant_record: VariantRecord, regions: RegionCompiles | None = None) -> CompiledVariant:
+        inner_name = "aot_eager, inductor failed" if variant_record.inner_fallback else self.options.inner
+        return CompiledVariant(self.record.graph_id, str(variant_record.variant), variant_record.compile_seconds,
+                               inner_name, regions)
+
+    @contextlib.contextmanager
+    def regions_reported(self, variant: Variant, scalars: tuple[float, ...],
+                         variant_record: VariantRecord) -> Iterator[None]:
+        """Around a call of a variant compiled in regions: its first call beats while regions compile
+        and then logs the variant's line with them; a later call that compiles regions says so."""
+        if not variant_record.compiled_in_regions:
+            yield
+            return
+        first = (variant, scalars) in self.unreported
+        before = dataclasses.replace(variant_record.region_compiles)
+        what = f"graph {self.record.graph_id} variant {variant}"
+        with compiling(what, "first call: regions compile as they are reached") if first else contextlib.nullcontext():
+            yield
+        compiled = variant_record.region_compiles.since(before)
+        if first:
+            self.unreported.discard((variant, scalars))
+            report_compiled(self.compiled_line(variant_record, compiled))
+        elif compiled.compiled:
+            report_compiled(RegionsCompiledAgain(self.record.graph_id, str(variant), compiled))
 
     def _compile_variant(self, variant: Variant, scalars: tuple[float, ...]) -> Callable:
         if (variant, scalars) != (variant, ()) and any(key[0] == variant for key in self.compiled):
@@ -237,7 +269,8 @@ class Dispatcher:
         if variant.recompute not in REGIONAL_POLICIES:
             variant_record.regions = f"not used: {whole_graph_reason(variant.recompute)}"
             return None
-        parent, plan = regional_module(gm, self.options.inner, variant.recompute, variant_record.uncompiled_regions)
+        parent, plan = regional_module(gm, self.options.inner, variant.recompute, variant_record.uncompiled_regions,
+                                       variant_record.region_compiles)
         variant_record.regions = describe_regions(plan)
         variant_record.compiled_in_regions = True
         return parent

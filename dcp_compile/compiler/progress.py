@@ -10,6 +10,11 @@ one variant's compile runs longer than :data:`HEARTBEAT_SECONDS`, a timer thread
 :data:`HEARTBEAT_SECONDS` with the time so far and the stage it is in (variant passes, AOTAutograd's
 trace, Inductor's forward or backward), the same way. ``DCP_PROGRESS=0`` silences the prints, the
 heartbeat and the bar; the log records stay.
+
+Under ``options={"regions": True}`` a variant's own compile only cuts its graph: its regions
+compile at its first call, and may take most of the time. Its line is logged after that call,
+with the regions it compiled, their time and the regions it found compiled already; the first
+call beats meanwhile, naming the region that compiles.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from dcp_compile.compiler.record import RegionCompiles
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,6 +52,18 @@ class AnalysedGraph:
 
 
 @dataclass(frozen=True)
+class NewGraph:
+    """Why dynamo handed over another graph of a function compiled before (a micro-batch of 1
+    sample: Dynamo specialises sizes of 0 and 1), said before its analysis and variants compile."""
+
+    graph_id: int
+    why: str
+
+    def line(self) -> str:
+        return f"dcp: graph {self.graph_id} is {self.why}"
+
+
+@dataclass(frozen=True)
 class CompiledVariant:
     """One variant of one graph, compiled: what the progress line says."""
 
@@ -52,9 +71,26 @@ class CompiledVariant:
     variant: str
     seconds: float
     inner: str
+    regions: RegionCompiles | None = None  # compiled in regions: what its first call compiled and reused
 
     def line(self) -> str:
-        return f"dcp: compiled graph {self.graph_id} variant {self.variant} in {self.seconds:.1f}s ({self.inner})"
+        regions = f" (+ {self.regions})" if self.regions is not None else ""
+        return (f"dcp: compiled graph {self.graph_id} variant {self.variant} in {self.seconds:.1f}s{regions} "
+                f"({self.inner})")
+
+
+@dataclass(frozen=True)
+class RegionsCompiledAgain:
+    """Regions a variant compiled after its first call: a region's guards failed (new shapes or
+    strides), or a call under other grad modes; each compile costs as much as the first."""
+
+    graph_id: int
+    variant: str
+    regions: RegionCompiles
+
+    def line(self) -> str:
+        return (f"dcp: graph {self.graph_id} variant {self.variant} compiled regions again: {self.regions} "
+                "(the guards of their earlier compiles did not hold for this call's shapes, strides or grad mode)")
 
 
 def _is_rank_zero() -> bool:
@@ -80,7 +116,7 @@ class StillCompiling:
         return f"dcp: compiling {self.what}: {self.seconds:.0f}s so far ({self.stage})"
 
 
-def report_compiled(event: CompiledVariant | AnalysedGraph | StillCompiling) -> None:
+def report_compiled(event: CompiledVariant | AnalysedGraph | NewGraph | StillCompiling | RegionsCompiledAgain) -> None:
     """Log the line at INFO; print it too when logging would not show it (the default)."""
     log.info("%s", event.line())
     if (log.isEnabledFor(logging.INFO) and log.hasHandlers()) or not shows_progress():

@@ -24,6 +24,27 @@ class PassRecord:
 
 
 @dataclass
+class RegionCompiles:
+    """What a variant's regions cost (``options={"regions": True}``): they compile at the variant's
+    first call, after its own compile, so without these counts a variant "compiled in 1.0s" hid the
+    minute its regions took."""
+
+    compiled: int = 0  # regions compiled by this variant (code no earlier region had, or guards that failed)
+    reused: int = 0  # regions whose compile came from the cache (an earlier variant's, or a repeated block's)
+    seconds: float = 0.0  # time in the compiles (cache lookups excluded)
+
+    def since(self, before: RegionCompiles) -> RegionCompiles:
+        """The compiles between ``before`` (a copy taken earlier) and now."""
+        return RegionCompiles(self.compiled - before.compiled, self.reused - before.reused,
+                              self.seconds - before.seconds)
+
+    def __str__(self) -> str:
+        noun = "region" if self.compiled == 1 else "regions"
+        timed = f" in {self.seconds:.1f}s" if self.compiled else ""
+        return f"{self.compiled} {noun} compiled{timed}, {self.reused} reused from the cache"
+
+
+@dataclass
 class VariantRecord:
     variant: Any
     passes: list[PassRecord] = field(default_factory=list)
@@ -50,6 +71,7 @@ class VariantRecord:
     regions: str | None = None  # options={"regions": True}: how the variant was cut, or why it was not
     compiled_in_regions: bool = False  # the variant runs as compiled regions (no whole forward/backward graph)
     uncompiled_regions: list[str] = field(default_factory=list)  # regions that run as ATen graphs, and why
+    region_compiles: RegionCompiles = field(default_factory=RegionCompiles)  # counted as the regions compile
     packed_attention: str | None = None  # packed variants: the attention implementation and why (the table's case)
     forward_graph: str | None = None
     backward_graph: str | None = None
@@ -118,12 +140,17 @@ class GraphRecord:
     specialization: str | None = None
     # Outputs that are some attention's keys or values (a K/V cache): gathered on every SP>1 call.
     returned_key_values: int | None = None
+    # Why dynamo handed over this graph beside an earlier one of the same function (a size Dynamo
+    # specialises, 0 or 1: a micro-batch of 1 sample), see specialised_sizes.
+    new_graph_reason: str | None = None
 
     def variant(self, key: Any) -> VariantRecord:
         return self.variants[key]
 
     def __str__(self) -> str:
         lines = [f"DCP graph {self.graph_id}"]
+        if self.new_graph_reason:
+            lines.append(f"  {self.new_graph_reason}")
         if self.specialization:
             lines.append(f"  compiled for the integer inputs {self.specialization}")
         if self.returned_key_values:
@@ -140,7 +167,12 @@ class GraphRecord:
             lines.append(f"    sequence-mixing {name} ({op}): {detail}")
         for key, variant in self.variants.items():
             lines.append(f"  {variant.summary()}")
-            lines.append(f"  variant {key}: {variant.calls} call(s), compiled in {variant.compile_seconds:.2f}s")
+            lines.append(f"  variant {key}: {variant.calls} call(s), compiled in {variant.compile_seconds:.2f}s"
+                         + (f" + {variant.region_compiles}" if variant.compiled_in_regions else ""))
+            if variant.regions:
+                lines.append(f"    regions: {variant.regions}")
+            for reason in variant.uncompiled_regions:
+                lines.append(f"    region runs uncompiled: {reason}")
             if variant.fallback_reason:
                 lines.append(f"    UNSHARDED fallback: {variant.fallback_reason}")
             else:

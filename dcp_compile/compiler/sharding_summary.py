@@ -38,6 +38,8 @@ def sharding_summary(record: ModelRecord) -> str:
             why.append("dynamo graph breaks: " + "; ".join(breaks))
         if specialised:
             why.append(f"{specialised} compiled for integer inputs of 0 or 1")
+        why += [f"graph {graph.graph_id} is {graph.new_graph_reason.split(': ')[0]} (dcp.explain says why)"
+                for graph in graphs if graph.new_graph_reason]
         why.append("each FSDP2-wrapped module (its hooks) and each graph break starts a new graph; "
                    "a graph that repeats (one per layer) is compiled once")
         lines.append("  why several graphs: " + " | ".join(why))

@@ -125,7 +125,9 @@ def _stats_table(variant: "VariantRecord") -> str:
         ("sharded regions", str(variant.sharded_regions)),
         ("collectives", summarise_collectives(variant.collectives)),
         ("saved for backward", saved),
-        ("compile time", f"{variant.compile_seconds:.2f} s ({variant.calls} call(s))"),
+        ("compile time", f"{variant.compile_seconds:.2f} s"
+                         + (f" + {variant.region_compiles} at its first call" if variant.compiled_in_regions else "")
+                         + f" ({variant.calls} call(s))"),
     ]
     if variant.regions:
         rows.append(("regions", variant.regions + (f"; uncompiled: {'; '.join(variant.uncompiled_regions)}"

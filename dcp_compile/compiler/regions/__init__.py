@@ -38,6 +38,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
 from dcp_compile.compiler.progress import compile_stage
+from dcp_compile.compiler.record import RegionCompiles
 from dcp_compile.compiler.regions.cache import (
     INNER_REGION_COMPILERS, REGION_CACHE, GuardedCompile, compile_region,
 )
@@ -72,7 +73,7 @@ class Region(torch.nn.Module):
     """One region of a variant, called by the parent graph; compiled at its first call."""
 
     def __init__(self, graph: fx.GraphModule, kind: RegionKind, inner: str, recomputed: bool,
-                 uncompiled: list[str] | None = None):
+                 uncompiled: list[str] | None = None, counts: RegionCompiles | None = None, label: str = "region"):
         super().__init__()
         self.graph_module = graph
         self.kind = kind
@@ -80,6 +81,8 @@ class Region(torch.nn.Module):
         self.recomputed = recomputed
         self.compiled: list[GuardedCompile] = []
         self.uncompiled = uncompiled if uncompiled is not None else []  # the variant record's list
+        self.counts = counts if counts is not None else RegionCompiles()  # the variant record's counts
+        self.label = label  # "region 3 of 12", for the heartbeat of a long compile
 
     def run(self, *args: Any) -> Any:
         if self.kind is not RegionKind.COMPILED:
@@ -95,14 +98,25 @@ class Region(torch.nn.Module):
             self.compiled.insert(0, GuardedCompile(None, self.graph_module))
             return self.graph_module(*args)
         try:
-            with compile_stage(f"region ({self.inner})"):
-                entry = compile_region(self.graph_module, args, self.inner)
+            entry = self.compile(args)
         except UnsupportedRegion as reason:
             log.warning("dcp: a region runs uncompiled (%s); the rest of the variant is compiled", reason)
             self.uncompiled.append(str(reason))
             entry = GuardedCompile(None, self.graph_module)
         self.compiled.append(entry)
         return entry.compiled(*args)
+
+    def compile(self, args: tuple) -> GuardedCompile:
+        """``compile_region``, counted on the variant's record: a compile (and its time) or a reuse."""
+        compiles_before, started = REGION_CACHE.compiles, time.perf_counter()
+        with compile_stage(f"{self.inner}: {self.label}"):
+            entry = compile_region(self.graph_module, args, self.inner)
+        if REGION_CACHE.compiles > compiles_before:
+            self.counts.compiled += 1
+            self.counts.seconds += time.perf_counter() - started
+        else:
+            self.counts.reused += 1
+        return entry
 
     def forward(self, *args: Any) -> Any:
         if self.recomputed and torch.is_grad_enabled() and any(
@@ -112,9 +126,11 @@ class Region(torch.nn.Module):
 
 
 def regional_module(gm: fx.GraphModule, inner: str, recompute: RecomputePolicy,
-                    uncompiled: list[str] | None = None) -> tuple[fx.GraphModule, RegionPlan]:
+                    uncompiled: list[str] | None = None,
+                    counts: RegionCompiles | None = None) -> tuple[fx.GraphModule, RegionPlan]:
     """The variant's graph as a parent of ``Region`` modules (compiled lazily, at their first call);
-    a region that cannot be compiled says why in ``uncompiled`` (the variant record's list)."""
+    a region that cannot be compiled says why in ``uncompiled`` (the variant record's list), and
+    each compile or reuse is counted in ``counts`` (the record's, for the variant's log line)."""
     if recompute not in REGIONAL_POLICIES:
         raise UnsupportedRegion(whole_graph_reason(recompute))
     started = time.perf_counter()
@@ -122,10 +138,14 @@ def regional_module(gm: fx.GraphModule, inner: str, recompute: RecomputePolicy,
     for name, kind in plan.kinds.items():
         if kind is RegionKind.COMPILED and canonical_views(getattr(plan.parent, name)):
             drop_unused_inputs(plan.parent, name)
+    compiled = [name for name, kind in plan.kinds.items() if kind is RegionKind.COMPILED]
+    numbers = {name: number for number, name in enumerate(compiled, 1)}
     for name, kind in plan.kinds.items():
         recomputed = (recompute is RecomputePolicy.FULL and kind is not RegionKind.EXCHANGE) or (
             recompute is RecomputePolicy.ATTENTION and kind is RegionKind.ATTENTION)
-        setattr(plan.parent, name, Region(getattr(plan.parent, name), kind, inner, recomputed, uncompiled))
+        label = f"region {numbers[name]} of {len(compiled)}" if name in numbers else name
+        setattr(plan.parent, name, Region(getattr(plan.parent, name), kind, inner, recomputed, uncompiled,
+                                          counts, label))
     log.debug("dcp: split into %d regions in %.2fs", len(plan.kinds), time.perf_counter() - started)
     return plan.parent, plan
 
