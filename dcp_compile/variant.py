@@ -104,6 +104,24 @@ def tiles_mlp(recompute: RecomputePolicy | str) -> bool:
     return RecomputePolicy.parse(recompute) is RecomputePolicy.LEAN
 
 
+# Whether the backend compiles in regions unless ``options={"regions": ...}`` says otherwise; the cost
+# model's ``CostModel.regions`` defaults to it too, so that the memory it prices is what runs.
+REGIONS_BY_DEFAULT = False
+
+# Policies that regional compilation (``options={"regions": True}``) applies at run time with
+# ``torch.utils.checkpoint`` around its regions, so that what they keep is the regions' inputs,
+# not what the whole-graph partitioner keeps (the compiler's ``REGIONAL_POLICIES`` less ``none``,
+# which checkpoints nothing; the others compile whole under regions too).
+REGION_CHECKPOINTED_POLICIES = frozenset({RecomputePolicy.ATTENTION, RecomputePolicy.FULL})
+
+
+def checkpoints_regions(recompute: RecomputePolicy | str, regions: bool) -> bool:
+    """Whether a variant under ``recompute`` keeps what run-time checkpointing around regions keeps:
+    ``attention`` (each attention op's inputs) and ``full`` (every region's inputs), where the
+    compile is regional; every other policy compiles whole and keeps what it keeps without regions."""
+    return regions and RecomputePolicy.parse(recompute) in REGION_CHECKPOINTED_POLICIES
+
+
 def resends_collectives(recompute: RecomputePolicy | str, collectives_recomputed: bool = False) -> bool:
     """Whether a variant's backward re-sends its blocks' all-to-alls (whole-block checkpointing):
     under ``block`` (and ``offload``, ``lean``), and under ``full`` where ``collectives_recomputed``

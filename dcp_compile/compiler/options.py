@@ -9,7 +9,7 @@ from dcp_compile.compiler.passes import check_disable_passes
 from dcp_compile.compiler.variant_selection import Bucket
 from dcp_compile.tiled_loss import LOSS_CHUNK_BYTES, LOSS_CHUNK_TOKENS
 from dcp_compile.tiled_mlp import MLP_CHUNK_BYTES, MLP_CHUNK_TOKENS
-from dcp_compile.variant import RecomputePolicy, Variant
+from dcp_compile.variant import REGIONS_BY_DEFAULT, RecomputePolicy, Variant
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 
@@ -24,7 +24,7 @@ class DCPOptions:
     debug_dir: str | None = None
     check: bool = False  # compare each variant's first call with the unsharded graph (dcp.check's light form)
     check_ranks: bool = True  # the SP group agrees on variant and inputs before each call (runtime/consistency.py)
-    regions: bool = False  # compile token-local regions once for every variant (compiler/regions/)
+    regions: bool = REGIONS_BY_DEFAULT  # compile token-local regions once for every variant (compiler/regions/)
     loss_chunk: int | None = None  # tokens per chunk of the tiled loss (None: tiled_loss.default_chunk_tokens)
     mlp_chunk: int | None = None  # tokens per chunk of the tiled MLP under lean (None: tiled_mlp.default_mlp_chunk_tokens)
 
@@ -94,7 +94,7 @@ def parse_options(options: dict[str, Any] | None) -> DCPOptions:
         debug_dir=options.get("debug_dir"),
         check=bool(options.get("check", False)),
         check_ranks=bool(options.get("check_ranks", True)),
-        regions=bool(options.get("regions", False)),
+        regions=bool(options.get("regions", REGIONS_BY_DEFAULT)),
         loss_chunk=loss_chunk,
         mlp_chunk=mlp_chunk,
     )

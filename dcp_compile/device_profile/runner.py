@@ -20,7 +20,7 @@ from dcp_compile.schedule.hardware import Hardware
 from dcp_compile.schedule.measured_costs import MeasuredCosts, Measurement, fit_all, held_out_errors
 from dcp_compile.schedule.model_profile import ModelProfile
 from dcp_compile.schedule.profiling import call_with_inputs
-from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, checkpoints_whole_blocks, Variant
+from dcp_compile.variant import RECOMPUTE_POLICIES, REGIONS_BY_DEFAULT, RecomputePolicy, checkpoints_whole_blocks, Variant
 
 from .device_timing import Timing, clock_for, device_name, software_versions, time_step
 from .fake_world import fake_world
@@ -103,6 +103,8 @@ def profile(
 
     Call it where ``torch.distributed`` is not initialised (one process), then load the file on
     every rank with ``dcp.CostModel.load(path)``: all ranks must plan with the same numbers.
+    ``options`` are the backend's, as training compiles with them; ``{"regions": True}`` also
+    makes the returned model price regional checkpointing's memory (``CostModel.regions``).
     """
     if path is not None and Path(path).exists():
         loaded = CostModel.load(path)
@@ -178,7 +180,8 @@ def profile(
         held_out=held_out_errors(fits, kept_out), memory_measured=device.type == "cuda", notes=tuple(notes),
         score_layout=layout, clock=clock_for(device),
     )
-    cost_model = CostModel(prior, hardware, optimizer_shards=optimizer_shards, measured=measured)
+    cost_model = CostModel(prior, hardware, optimizer_shards=optimizer_shards, measured=measured,
+                           regions=bool((options or {}).get("regions", REGIONS_BY_DEFAULT)))
     summary = measured.held_out_summary()
     if summary is not None:
         log.info("dcp.profile: %d points fitted, held-out error median %.1f%%, worst %.1f%%",

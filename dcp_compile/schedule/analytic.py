@@ -356,6 +356,7 @@ def memory_coefficients(
     reserved_bytes: float = float(GiB),
     collectives_recomputed: bool = False,
     state_sharding: StateSharding | str = StateSharding.REPLICATED,
+    regions: bool = False,
 ) -> MemoryCoefficients:
     """Peak bytes on each rank of an ``sp_size`` group: model state plus, per token of the
     micro-batch, what backward keeps (:meth:`ModelProfile.saved_activation_bytes_per_token`: the
@@ -376,11 +377,14 @@ def memory_coefficients(
     it is shorter than a chunk, one chunk (:meth:`ModelProfile.loss_chunk_bytes`) whatever the
     length beyond (a capped term of :class:`MemoryCoefficients`); so does the tiled MLP under
     ``lean`` (:meth:`ModelProfile.mlp_chunk_bytes`). ``offload`` and ``lean`` keep most block
-    inputs in host memory (:meth:`ModelProfile.host_activation_bytes_per_token`), not priced here."""
+    inputs in host memory (:meth:`ModelProfile.host_activation_bytes_per_token`), not priced here.
+    ``regions``: the variant is compiled in regions (``options={"regions": True}``), whose
+    ``attention`` and ``full`` checkpoint around regions at run time and keep the regions' inputs
+    (:meth:`ModelProfile.regional_saved_bytes_per_token`, ``benchmarks/results/memory_peaks_regions_cpu.md``)."""
     recompute = RecomputePolicy.parse(recompute)
     static = model_state_bytes(profile, state_sharding, optimizer_shards) + reserved_bytes
-    saved = profile.saved_activation_bytes_per_token(recompute, sp_size, collectives_recomputed)
-    phases = profile.backward_phases(recompute, sp_size, collectives_recomputed)
+    saved = profile.saved_activation_bytes_per_token(recompute, sp_size, collectives_recomputed, regions)
+    phases = profile.backward_phases(recompute, sp_size, collectives_recomputed, regions)
     working = []
     for phase in phases:
         capped = ()

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy
+from dcp_compile.variant import RECOMPUTE_POLICIES, REGIONS_BY_DEFAULT, RecomputePolicy
 
 from . import calibration, serialization
 from .analytic import (
@@ -99,6 +99,12 @@ class CostModel:
     blocks' all-to-alls in backward and keeps only block inputs (the published system; the
     baselines plan with it), instead of our compiler's ``full``, which keeps the all-to-all
     outputs: ``full`` is then priced as ``block``, the policy our compiler builds for it.
+    ``regions``: the model is compiled in regions (``options={"regions": True}``; the default is
+    the compile option's, ``dcp_compile.variant.REGIONS_BY_DEFAULT``), where ``attention`` and
+    ``full`` are checkpoints around regions at run time and keep more than the whole-graph
+    variants (each attention's inputs; under ``full`` each region's: the residual stream and
+    attention's inputs and output per layer); their memory is priced so
+    (:meth:`ModelProfile.regional_saved_bytes_per_token`). ``dcp.profile`` sets it from its ``options``.
     Instances are immutable: every rank must plan with the same model, and a model that could change
     under a sampler would break that. :meth:`calibrate` returns a new one.
 
@@ -119,6 +125,7 @@ class CostModel:
     collectives_recomputed: bool = False
     measured: MeasuredCosts | None = field(default=None, compare=False)
     state_sharding: StateSharding = StateSharding.REPLICATED
+    regions: bool = REGIONS_BY_DEFAULT  # as the compile option's default
 
     def __post_init__(self) -> None:
         unknown = set(self.scales) - set(COST_TERMS)
@@ -385,6 +392,7 @@ def _memory_coefficients(model: CostModel, sp_size: int, recompute: RecomputePol
     analytic = memory_coefficients(
         model.profile, sp_size, recompute, optimizer_shards=model.optimizer_shards, reserved_bytes=model.reserved_bytes,
         collectives_recomputed=model.collectives_recomputed, state_sharding=model.state_sharding,
+        regions=model.regions,
     )
     fit = model.measured.fit_for(sp_size, recompute) if model.measured is not None else None
     measured = fit.memory_coefficients() if fit is not None else None

@@ -7,17 +7,18 @@ counting a real model (:meth:`ModelProfile.measure`, in :mod:`.profiling`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from dcp_compile.attention_layout import AttentionLayout, choose_attention_layout
 from dcp_compile.tiled_loss import loss_chunk_bytes, tiles_loss
 from dcp_compile.tiled_mlp import default_mlp_chunk_tokens, mlp_chunk_bytes
 from dcp_compile.variant import (
-    RECOMPUTE_POLICIES, RecomputePolicy, checkpoints_whole_blocks, offloads_block_inputs, resends_collectives, tiles_mlp,
+    RECOMPUTE_POLICIES, RecomputePolicy, checkpoints_regions, checkpoints_whole_blocks, offloads_block_inputs,
+    resends_collectives, tiles_mlp,
 )
 
-from .presets import FP32_BYTES, config_shape, preset_shape, transformer_fields
+from .presets import FP32_BYTES, TARGET_BYTES, config_shape, preset_shape, transformer_fields
 from .profiling import measure_fields
 
 
@@ -211,6 +212,7 @@ class ModelProfile:
     # ------------------------------------------------------------------ saved activations
     def saved_activation_bytes_per_token(
         self, recompute: RecomputePolicy | str, sp_size: int = 1, collectives_recomputed: bool = False,
+        regions: bool = False,
     ) -> float:
         """Bytes per token of a rank's share that backward keeps under ``recompute`` on ``sp_size``
         ranks: the layers' activations, what the head and loss keep and, under sequence
@@ -229,8 +231,14 @@ class ModelProfile:
         as time by :func:`.analytic.raw_term_coefficients`), so nothing per layer depends on the
         SP size. ``collectives_recomputed`` prices ``full`` as ``block`` (the published system's
         ``full``, which the published baselines plan with).
+
+        ``regions``: the variant is compiled in regions (``options={"regions": True}``), where
+        ``attention`` and ``full`` are checkpoints around regions at run time and keep the regions'
+        inputs (:meth:`regional_saved_bytes_per_token`); the other policies compile whole.
         """
-        recompute = self.priced_policy(recompute, collectives_recomputed)
+        recompute = self.regional_pricing(self.priced_policy(recompute, collectives_recomputed), sp_size, regions)
+        if checkpoints_regions(recompute, regions):
+            return self.regional_saved_bytes_per_token(recompute, sp_size)
         if offloads_block_inputs(recompute):  # all of it waits in host memory: host_activation_bytes_per_token
             return 0.0
         saved = self.num_layers * self.activation_bytes_per_token[recompute]
@@ -322,17 +330,106 @@ class ModelProfile:
             RecomputePolicy.FULL: received + head_all_to_alls,
         }[recompute])
 
+    # ------------------------------------------------------------------ regional compilation
+    def regional_pricing(self, recompute: RecomputePolicy, sp_size: int, regions: bool) -> RecomputePolicy:
+        """The policy priced for a regional variant: ``recompute`` itself, but ``none`` for a
+        checkpointed policy where the attention runs as a ring: the ring's blocks are an exchange
+        region, which regions never recompute, so what it keeps is at least ``none``'s there
+        (an upper bound, not measured)."""
+        if checkpoints_regions(recompute, regions) and self.attention_layout(sp_size).ring > 1:
+            return RecomputePolicy.NONE
+        return recompute
+
+    def attention_input_bytes_per_token(self, sp_size: int) -> float:
+        """Bytes per token of a rank's share of one self-attention's q, k and v as the attention op
+        receives them: the local ones at SP 1, the all-to-alls' outputs (KV heads replicated up to
+        the SP size) beyond."""
+        dtype, h = self.activation_dtype_bytes, self.hidden_size
+        kv_heads = max(1, self.num_kv_heads)
+        return float(dtype * (h + 2 * self.head_dim * (max(kv_heads, sp_size) if sp_size > 1 else kv_heads)))
+
+    def cross_attention_width_bytes(self, sp_size: int) -> float:
+        """Bytes per token of a rank's share of a cross-attention's queries (or output) as the
+        attention op sees them: hidden-wide at SP 1, the heads padded to the SP size beyond."""
+        dtype = self.activation_dtype_bytes
+        if sp_size <= 1:
+            return float(dtype * self.hidden_size)
+        return float(dtype * self.head_dim * sp_size * -(-self.num_heads // sp_size))
+
+    def regional_saved_bytes_per_token(self, recompute: RecomputePolicy | str, sp_size: int = 1) -> float:
+        """Bytes per token of a rank's share that a regional variant keeps for backward under
+        ``attention`` or ``full`` (``torch.utils.checkpoint`` around regions: each checkpoint keeps
+        its inputs and frees what runs inside it; ``dcp_compile/compiler/regions``).
+
+        ``attention``: what whole-graph ``attention`` keeps, plus each attention op's inputs, which
+        its checkpoint keeps: at SP 1 the local q, k, v (and a cross-attention's queries) that the
+        whole graph recomputes from their projections' input; at SP > 1 those are the all-to-alls'
+        outputs, which whole-graph ``attention`` keeps already.
+
+        ``full`` (every region and attention op checkpointed; collectives are not, and keep nothing):
+        per attention op the residual stream that the region after it reads, the attention's q, k,
+        v as it receives them (:meth:`attention_input_bytes_per_token`) and its output as the next
+        region receives it (at SP > 1 the output all-to-all's result); a cross-attention's queries
+        and output. Outside the layers: what every block reads from outside (a RoPE table, as
+        whole-graph ``full``) and, where the loss is tiled, the tiled loss's input and targets:
+        ``dcp::tiled_cross_entropy`` is one of dcp's ops, an exchange region, not checkpointed.
+        At SP > 1 that is whole-graph ``full``'s set plus a residual per cross-attention and the
+        tiled loss's; at SP 1, where whole-graph ``full`` keeps one block input per layer, about
+        five hidden-wide tensors per layer.
+        """
+        recompute = RecomputePolicy.parse(recompute)
+        dtype, h = self.activation_dtype_bytes, self.hidden_size
+        cross = self.cross_attention_width_bytes(sp_size)
+        if recompute is RecomputePolicy.ATTENTION:
+            whole = self.saved_activation_bytes_per_token(recompute, sp_size)
+            if sp_size > 1:
+                return whole
+            return float(whole + self.num_attention_layers * self.attention_input_bytes_per_token(1)
+                         + self.num_cross_attention_layers * cross)
+        if recompute is not RecomputePolicy.FULL:
+            raise ValueError(f"recompute={recompute} is not checkpointed around regions")
+        residuals = (self.num_attention_layers + self.num_cross_attention_layers) * dtype * h
+        self_attention = self.num_attention_layers * (self.attention_input_bytes_per_token(sp_size) + dtype * h)
+        cross_attention = self.num_cross_attention_layers * 2 * cross
+        head = self.head_activation_bytes_per_token[RecomputePolicy.FULL]
+        if self.tiles_loss(recompute):
+            head += dtype * h + TARGET_BYTES
+        return float(residuals + self_attention + cross_attention + head)
+
     # ------------------------------------------------------------------ backward working set
     def backward_working_bytes_per_token(
         self, recompute: RecomputePolicy | str, sp_size: int = 1, collectives_recomputed: bool = False,
+        regions: bool = False,
     ) -> float:
         """Bytes per token of a rank's share that backward holds *on top of* what is kept
         (:meth:`saved_activation_bytes_per_token`), at its largest: the largest per-token part of
         :meth:`backward_phases` (a tiled op's chunk is a fixed amount, apart)."""
-        return max(phase.bytes_per_token for phase in self.backward_phases(recompute, sp_size, collectives_recomputed))
+        phases = self.backward_phases(recompute, sp_size, collectives_recomputed, regions)
+        return max(phase.bytes_per_token for phase in phases)
+
+    def attention_gradient_bytes(self, sp_size: int) -> float:
+        """Bytes per token of a rank's share of the activation gradients a layer's attention
+        backward holds at once: of its output, and of q, k, v twice (as the attention backward
+        returns them, and as the ops back to the projections rebuild them), the KV heads as wide
+        as the all-to-alls deliver them; a ring also passes a K/V gradient block back."""
+        dtype, h = self.activation_dtype_bytes, self.hidden_size
+        head_dim, kv_heads = self.head_dim, max(1, self.num_kv_heads)
+        layout = self.attention_layout(sp_size)
+        delivered_kv = max(kv_heads, sp_size) if sp_size > 1 and layout.ring == 1 else kv_heads
+        gradients = dtype * (h + 2 * (h + 2 * head_dim * delivered_kv))
+        if layout.ring > 1:
+            gradients += dtype * 2 * (2 * head_dim * kv_heads)
+        return float(gradients)
+
+    def mlp_gradient_bytes(self) -> float:
+        """Bytes per token of the activation gradients a layer's MLP backward holds at once: of its
+        hidden activations (3 ``ffn``-wide for a gated MLP, 2 otherwise) and of its input."""
+        ffn = self.ffn_hidden_size or 4 * self.hidden_size
+        return float(self.activation_dtype_bytes * ((3 if self.gated_mlp else 2) * ffn + self.hidden_size))
 
     def backward_phases(
         self, recompute: RecomputePolicy | str, sp_size: int = 1, collectives_recomputed: bool = False,
+        regions: bool = False,
     ) -> tuple[BackwardPhase, ...]:
         """What backward holds on top of what is kept, phase by phase (a layer's attention, a
         layer's MLP, the head): the peak is the largest, and a tiled op's chunk counts only in
@@ -364,18 +461,18 @@ class ModelProfile:
         plus the residual stream's gradient, alive through every layer's backward. ``block``
         rebuilds what ``full`` does and the all-to-alls' outputs that ``full`` keeps (each block
         whole, before its MLP's backward); ``collectives_recomputed`` prices ``full`` as ``block``.
+        ``regions``: a regional variant's phases (:meth:`regional_backward_phases`).
         """
-        recompute = self.priced_policy(recompute, collectives_recomputed)
+        recompute = self.regional_pricing(self.priced_policy(recompute, collectives_recomputed), sp_size, regions)
+        if checkpoints_regions(recompute, regions):
+            return self.regional_backward_phases(recompute, sp_size)
         dtype, h = self.activation_dtype_bytes, self.hidden_size
         head_dim, kv_heads = self.head_dim, max(1, self.num_kv_heads)
         kv_width = head_dim * kv_heads
         ffn = self.ffn_hidden_size or 4 * h
         layout = self.attention_layout(sp_size)
-        delivered_kv = max(kv_heads, sp_size) if sp_size > 1 and layout.ring == 1 else kv_heads
-        attention_gradients = dtype * (h + 2 * (h + 2 * head_dim * delivered_kv))
-        if layout.ring > 1:
-            attention_gradients += dtype * 2 * (2 * kv_width)
-        mlp_gradients = dtype * ((3 if self.gated_mlp else 2) * ffn + h)
+        attention_gradients = self.attention_gradient_bytes(sp_size)
+        mlp_gradients = self.mlp_gradient_bytes()
 
         attention_rebuilt, mlp_rebuilt = self.recomputed_bytes_per_token[recompute]
         resent = checkpoints_whole_blocks(recompute)
@@ -433,6 +530,44 @@ class ModelProfile:
             BackwardPhase("head", float(alive + head_phase), loss_chunk, self.loss_chunk_tokens if loss_chunk else 0),
         )
 
+    def regional_backward_phases(self, recompute: RecomputePolicy | str, sp_size: int = 1) -> tuple[BackwardPhase, ...]:
+        """:meth:`backward_phases` of a regional variant under ``attention`` or ``full``: a
+        checkpoint's backward runs its region again, then the region's backward, one region at a time.
+
+        ``attention``: as whole-graph ``attention`` at SP > 1, where the attention's recomputation
+        stops at its inputs (the all-to-alls' outputs); at SP 1 too, as the checkpoint keeps the
+        local q, k, v: the attention's phase rebuilds only its output and log-sum-exp.
+
+        ``full``: the attention's phase rebuilds its output and log-sum-exp beside its gradients;
+        the region after it (output projection, MLP, the next layer's norm and projections) rebuilds
+        what whole-graph ``attention`` keeps of a layer (norm inputs and statistics, projections'
+        inputs, the MLP's activations), beside the MLP's gradients (less the rebuilt hidden
+        activation, freed first); the head's phase holds the tiled loss's chunk (its input is kept)
+        or, untiled, rebuilds the last region with the head. The residual stream's gradient is
+        alive through all of them."""
+        recompute = RecomputePolicy.parse(recompute)
+        if recompute is RecomputePolicy.ATTENTION:
+            phases = self.backward_phases(recompute, sp_size)
+            if sp_size > 1:
+                return phases
+            kept = self.attention_input_bytes_per_token(1)
+            return tuple(replace(p, bytes_per_token=p.bytes_per_token - kept) if p.name == "attention" else p
+                         for p in phases)
+        dtype, h = self.activation_dtype_bytes, self.hidden_size
+        ffn = self.ffn_hidden_size or 4 * h
+        alive = dtype * h  # the residual stream's gradient
+        attention_core = dtype * h + self.num_heads * FP32_BYTES  # output and log-sum-exp, rebuilt
+        region = self.activation_bytes_per_token[RecomputePolicy.ATTENTION]
+        mlp_gradients = self.mlp_gradient_bytes() - dtype * ffn
+        loss_chunk = self.loss_chunk_bytes(recompute)
+        head = 0.0 if self.tiles_loss(recompute) else (
+            region + self.head_activation_bytes_per_token[RecomputePolicy.NONE] + self.output_bytes_per_token)
+        return (
+            BackwardPhase("attention", float(alive + attention_core + self.attention_gradient_bytes(sp_size))),
+            BackwardPhase("mlp", float(alive + region + mlp_gradients)),
+            BackwardPhase("head", float(alive + head), loss_chunk, self.loss_chunk_tokens if loss_chunk else 0),
+        )
+
     @staticmethod
     def priced_policy(recompute: RecomputePolicy | str, collectives_recomputed: bool = False) -> RecomputePolicy:
         """The policy whose memory is priced: ``block`` where ``collectives_recomputed`` makes
@@ -444,10 +579,11 @@ class ModelProfile:
 
     def saved_activation_bytes(
         self, tokens: int, recompute: RecomputePolicy | str, sp_size: int = 1, collectives_recomputed: bool = False,
+        regions: bool = False,
     ) -> float:
         """Bytes each rank keeps for backward for a micro-batch of ``tokens`` tokens: the priced
         counterpart of the compiler's ``VariantRecord.saved_activation_bytes``."""
-        return self.saved_activation_bytes_per_token(recompute, sp_size, collectives_recomputed) * tokens / sp_size
+        return self.saved_activation_bytes_per_token(recompute, sp_size, collectives_recomputed, regions) * tokens / sp_size
 
     # ------------------------------------------------------------------ constructors
     @classmethod

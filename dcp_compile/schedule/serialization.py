@@ -3,7 +3,8 @@
 The published system profiles, writes files and relaunches; here :meth:`CostModel.calibrate`
 returns a calibrated model in the same process, and :func:`save` / :func:`load` keep it for the
 next job. Format: ``{"format": FORMAT, "version": VERSION, "profile": ..., "hardware": ...,
-"scales": ..., "optimizer_shards": ..., "reserved_bytes": ..., "state_sharding": ..., "measured": ...}`` (``measured``:
+"scales": ..., "optimizer_shards": ..., "reserved_bytes": ..., "state_sharding": ..., "regions": ...,
+"measured": ...}`` (``measured``:
 what ``dcp.profile`` timed, see :mod:`.measured_costs`); version 1 and 2 files (profiles
 without ``head_activation_bytes_per_token``) still load.
 """
@@ -39,6 +40,7 @@ def cost_model_to_dict(model: "CostModel") -> dict[str, Any]:
         "reserved_bytes": model.reserved_bytes,
         "collectives_recomputed": model.collectives_recomputed,
         "state_sharding": model.state_sharding.value,
+        "regions": model.regions,
         "measured": None if model.measured is None else model.measured.to_dict(),
     }
 
@@ -55,6 +57,7 @@ def cost_model_from_dict(cls: type[Model], data: Mapping[str, Any]) -> Model:
         collectives_recomputed=bool(data.get("collectives_recomputed", False)),
         measured=MeasuredCosts.from_dict(data["measured"]) if data.get("measured") else None,
         state_sharding=data.get("state_sharding", "replicated"),
+        regions=bool(data.get("regions", False)),  # files from before it: whole-graph variants
     )
 
 
