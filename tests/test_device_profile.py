@@ -3,6 +3,7 @@ points it did not see; and how a measured model plans (measured compute, modelle
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -50,6 +51,24 @@ def test_packed_rows_give_a_per_sequence_term_apart_from_the_fixed_one() -> None
     assert fit.per_sequence == pytest.approx(5e-4, rel=1e-3)
     assert fit.fixed == pytest.approx(1e-3 - 5e-4, rel=1e-3)  # the first sequence's share is per_sequence
     assert fit.seconds([30] * 30) == pytest.approx(seconds([30] * 30), rel=1e-3)
+
+
+def test_the_profile_design_tells_per_sequence_work_from_attention() -> None:
+    """A kernel with per-sequence work (the CPU reference attention loops over sequences) under an
+    attention-dominated cost: the fit of the profile's rows (single lengths and packed_rows) must
+    price a row of 256 eight-token documents. Without the many-short row it was priced 27x under."""
+    from dcp_compile.device_profile.runner import packed_rows
+
+    def seconds(lengths):
+        return 2e-3 + 3e-6 * sum(lengths) + 1.8e-6 * sum(n * n for n in lengths) + 3e-3 * len(lengths)
+
+    fit_lengths = (256, 512, 1024, 2048)
+    rows = [(n,) for n in fit_lengths] + packed_rows(fit_lengths, ())
+    assert any(len(row) == 256 and row[0] == 8 for row in rows)
+    noise = itertools.cycle([1.1, 0.9, 1.08, 0.92, 0.95, 1.05, 0.9, 1.1])  # a shared CPU's 10%
+    fit = fit_variant([Measurement(row, 1, "none", seconds(row) * next(noise)) for row in rows])
+    assert fit.seconds([8] * 256) == pytest.approx(seconds([8] * 256), rel=0.15)  # the old rows: 0.08x
+    assert fit.seconds([1847] + [8] * 25) == pytest.approx(seconds([1847] + [8] * 25), rel=0.15)
 
 
 def test_reference_kernel_computes_the_scores_the_cost_model_counts(monkeypatch) -> None:

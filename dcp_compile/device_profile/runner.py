@@ -46,12 +46,26 @@ def default_held_out_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted({*middles, round(1.5 * ordered[-1])} - set(ordered)))
 
 
+SHORTEST_PACKED_SEQUENCE = 8  # tokens: the many-short row's sequences are no shorter
+MANY_SHORT = 256  # sequences in the many-short row, at most
+
+
 def packed_rows(fit_lengths: Sequence[int], held_lengths: Sequence[int]) -> list[tuple[int, ...]]:
-    """Rows of several equal sequences: 4 x L/4 for the two longest fitted lengths and 16 x L/16
-    for the longest (in the fit); 3 x L/3 and 12 x L/12 for the longest held-out length (held
-    out: many short sequences in one row is how a static setup packs a short-dominated mix)."""
+    """Rows of several equal sequences: 4 x L/4 for the two longest fitted lengths, 16 x L/16 and
+    many short ones (up to 256 of at least 8 tokens) for the longest (in the fit); 3 x L/3 and
+    12 x L/12 for the longest held-out length (held out: many short sequences in one row is how a
+    static setup packs a short-dominated mix).
+
+    The many-short row is what tells the per-sequence term from the attention term: rows of a few
+    long sequences are all attention, and a fit of them priced a row of 256 eight-token documents
+    27x under its measured time (a kernel's per-sequence work: the CPU reference attention loops
+    over sequences), which steered the long-sequence replay's plans."""
     rows = [(n // 4,) * 4 for n in sorted(fit_lengths)[-2:] if n >= 4]
     rows += [(n // 16,) * 16 for n in sorted(fit_lengths)[-1:] if n >= 16]
+    for n in sorted(fit_lengths)[-1:]:
+        parts = min(MANY_SHORT, n // SHORTEST_PACKED_SEQUENCE)
+        if parts > 16:
+            rows.append((n // parts,) * parts)
     rows += [(n // parts,) * parts for n in sorted(held_lengths)[-1:] for parts in (3, 12) if n >= parts]
     return rows
 
