@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # tests/real_models.py: the zoo's cases (not shipped)
 MODELS = {"llama": ("llama-sdpa", 64), "dit": ("dit", 64)}  # zoo case, about this many tokens
 # Deeper builds of a zoo case's model (its inputs and loss): what compile time does with depth.
 DEEPER = {"llama8": ("llama-sdpa", 64, 8)}  # (zoo case, tokens, decoder layers)
@@ -64,7 +65,7 @@ def deeper_case(model_name: str):
     """The zoo case with its Hugging Face config's ``num_hidden_layers`` raised (``DEEPER``)."""
     import dataclasses
 
-    from dcp_compile.testing.real_models import CASES, _LLAMA_LIKE, _transformers
+    from real_models import CASES, _LLAMA_LIKE, _transformers
 
     case_name, _, layers = DEEPER[model_name]
     factory = _transformers("LlamaForCausalLM", "LlamaConfig", "sdpa", **dict(_LLAMA_LIKE, num_hidden_layers=layers))
@@ -202,7 +203,7 @@ def worker(model_name: str, mode: str, inner: str, regions: bool = False) -> dic
     import torch
 
     torch.set_num_threads(max(1, int(os.environ.get("COMPILE_TIME_THREADS", "1"))))
-    from dcp_compile.testing.real_models import CASES
+    from real_models import CASES
 
     if model_name in DEEPER:
         case_name, tokens, _ = DEEPER[model_name]

@@ -61,7 +61,7 @@ def _worker(rank: int, world_size: int, repeats: int) -> dict:
     from dcp_compile.runtime.consistency import check_sp_group_agrees, check_world_agrees
     from dcp_compile.runtime.process_groups import sp_group
 
-    dcp.create_sp_groups()
+    dcp.runtime.create_sp_groups()
     torch.manual_seed(0)
     models, compiled = [], {}
     for checked in (True, False):

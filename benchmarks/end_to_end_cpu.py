@@ -161,7 +161,7 @@ def predicted_time(cost_model: dcp.CostModel, lengths: Sequence[int], indices: S
     return sum(cost_model.time([n] * count, sp_size, "none") for n, count in by_length.items())
 
 
-def rank_busy_prediction(cost_model: dcp.CostModel, microbatches: Sequence[dcp.MicroBatch], lengths: Sequence[int]) -> float:
+def rank_busy_prediction(cost_model: dcp.CostModel, microbatches: Sequence[dcp.schedule.MicroBatch], lengths: Sequence[int]) -> float:
     loads = [0.0] * WORLD_SIZE
     for mb in microbatches:
         seconds = predicted_time(cost_model, lengths, mb.indices, mb.sp_size)
@@ -170,14 +170,14 @@ def rank_busy_prediction(cost_model: dcp.CostModel, microbatches: Sequence[dcp.M
     return max(loads)
 
 
-def dcp_inter_microbatches(scheduler: DCPInterScheduler, indices: list[int], lengths: list[int]) -> list[dcp.MicroBatch]:
+def dcp_inter_microbatches(scheduler: DCPInterScheduler, indices: list[int], lengths: list[int]) -> list[dcp.schedule.MicroBatch]:
     step_lengths = [lengths[i] for i in indices]
     schedule = scheduler.schedule(step_lengths)
     schedule.validate(len(step_lengths))
     out = []
     for mb in sorted(schedule.microbatches, key=lambda m: (m.round, m.first_rank)):
         chosen = tuple(indices[p] for p in mb.positions)
-        out.append(dcp.MicroBatch(
+        out.append(dcp.schedule.MicroBatch(
             indices=chosen, variant=dcp.Variant(mb.sp_size, "none"), loss_scale=0.0,
             group_ranks=tuple(range(mb.first_rank, mb.first_rank + mb.sp_size)),
             predicted_time=0.0, tokens=sum(lengths[i] for i in chosen)))
@@ -198,21 +198,21 @@ def warm_up(compiled, model: torch.nn.Module, config: DiTConfig) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def calibration_design() -> list[dcp.CalibrationPoint]:
+def calibration_design() -> list[dcp.schedule.CalibrationPoint]:
     """One clip of each length, and stacks of 4 to 64 short ones (up to the cap: the stacks
     DCP-inter's profile picks), at every SP size that holds them."""
     points = []
     for sp in demo.sp_sizes_for(WORLD_SIZE):
         for length in sorted(SHAPES):
             if length <= MAX_TOKENS_PER_RANK * sp:
-                points.append(dcp.CalibrationPoint((length,), sp))
+                points.append(dcp.schedule.CalibrationPoint((length,), sp))
         for length, count in ((16, 4), (16, 16), (16, 64), (64, 4), (64, 16), (256, 4)):
-            points.append(dcp.CalibrationPoint((length,) * count, sp))
+            points.append(dcp.schedule.CalibrationPoint((length,) * count, sp))
     return points
 
 
 # Re-timed before every step: the shared machine's speed drifts with other jobs' load.
-PROBE = (dcp.CalibrationPoint((16,) * 16, 1), dcp.CalibrationPoint((1024,), 1), dcp.CalibrationPoint((4096,), 4))
+PROBE = (dcp.schedule.CalibrationPoint((16,) * 16, 1), dcp.schedule.CalibrationPoint((1024,), 1), dcp.schedule.CalibrationPoint((4096,), 4))
 
 
 class PointTimer:
@@ -262,7 +262,7 @@ def load_drift(timer: PointTimer, cost_model: dcp.CostModel) -> float:
     return math.exp(statistics.fmean(math.log(r) for r in ratios))
 
 
-def run_step(compiled, model, optimizer, store: ClipStore, work: Sequence[tuple[dcp.MicroBatch, bool]],
+def run_step(compiled, model, optimizer, store: ClipStore, work: Sequence[tuple[dcp.schedule.MicroBatch, bool]],
              step_tokens: int) -> tuple[float, float, float]:
     """One optimizer step over this rank's (micro-batch, counts its loss) list: (elapsed, busy, loss share)."""
     demo._barrier()
@@ -280,7 +280,7 @@ def run_step(compiled, model, optimizer, store: ClipStore, work: Sequence[tuple[
 
 
 def worker(rank: int, world_size: int, steps: int, seed: int, config: DiTConfig, repeats: int) -> dict:
-    dcp.create_sp_groups()
+    dcp.runtime.create_sp_groups()
     lengths = zipf_lengths(seed, (steps + 2) * config.tokens_per_step)
     store = ClipStore(lengths, config, seed)
     torch.manual_seed(seed)

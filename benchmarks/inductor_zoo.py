@@ -1,6 +1,6 @@
 """Which diffusers DiTs of the real-model zoo compile with Inductor under dcp, and which fall back?
 
-Each diffusers case of ``dcp_compile/testing/real_models.py`` is compiled with
+Each diffusers case of ``tests/real_models.py`` is compiled with
 ``torch.compile(model, backend="dcp", dynamic=True, options={"inner": "inductor", "sp_size": 2})``
 in its own process, on a 2-rank *fake* process group (collectives compile but move no data: this is
 a compile survey, parity is ``tests/test_inductor_zoo.py``'s job on gloo), and run forward and
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # tests/real_models.py: the zoo's cases (not shipped)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -49,7 +50,7 @@ def survey_one(name: str, tokens: int | None, rank: int = 0) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import dcp_compile as dcp
-    from dcp_compile.testing import real_models as rm
+    import real_models as rm
 
     torch.set_num_threads(1)
     case = rm.CASES[name]
@@ -104,7 +105,7 @@ def render(rows: list[dict[str, Any]], patched: bool) -> str:
     fallbacks = [row["model"] for row in rows if row["fallbacks"] and not row["error"]]
     unfinished = [row["model"] for row in rows if row["error"] and row["error"].startswith("timeout")]
     errors = [row["model"] for row in rows if row["error"] and row["model"] not in unfinished]
-    from dcp_compile.testing import real_models as rm
+    import real_models as rm
 
     surveyed = {row["model"] for row in rows}
     not_run = [case.name for case in rm.CASES.values() if case.library == "diffusers" and case.name not in surveyed]
@@ -167,7 +168,7 @@ def main() -> None:
     if args.one:
         print("ROW " + json.dumps(survey_one(args.one, None, args.rank)))
         return
-    from dcp_compile.testing import real_models as rm
+    import real_models as rm
 
     names = args.cases.split(",") if args.cases else [c.name for c in rm.CASES.values() if c.library == "diffusers"]
     out = Path(args.out)

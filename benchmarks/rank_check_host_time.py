@@ -39,7 +39,7 @@ def _worker(rank: int, world_size: int, calls: int) -> dict:
     from dcp_compile.runtime.consistency import SettledAfterCall, check_sp_group_agrees, settle_pending_checks
     from dcp_compile.runtime.process_groups import sp_group
 
-    dcp.create_sp_groups()
+    dcp.runtime.create_sp_groups()
     group = sp_group(2)
     variant = dcp.Variant(2)
     ids = torch.randint(0, 512, (2, 512), generator=torch.Generator().manual_seed(0))

@@ -14,88 +14,95 @@
 
 (docs/training.md, "The data-centric loop", has this loop with its ``collate``; tests/test_readme.py runs it as written.)
 
-The package is four packages whose imports point one way:
+The top level holds what the documented training loops call, and ``DCPError``, the base of every
+error a loop may catch; the rest is in four namespaces, each an attribute of the package:
+
+* ``dcp.schedule``: the cost model, hardware presets, planner, plan records (``StepPlan``,
+  ``MicroBatch``...), sampler;
+* ``dcp.checkpoint``: ``save_checkpoint``, ``load_checkpoint``, ``latest_checkpoint``...;
+* ``dcp.report``: what DCP did (``recording``, ``sharding_summary``, the HTML reports);
+* ``dcp.errors``: each error class (``RankMismatchError``, ``PlanningError``...) and ``fault_guard``.
+
+``dir(dcp)`` lists exactly these. The code is in packages whose imports point one way:
 
 * ``dcp_compile.compiler`` (backend, dispatcher, passes) uses ``dcp_compile.kernels``;
-* ``dcp_compile.schedule`` (cost model, planner, sampler) prices variants by name and never
-  imports the compiler;
-* ``dcp_compile.runtime`` (process groups, gradient sync, packing, Hugging Face glue) is what a
-  training loop calls around the compiled model.
+* ``dcp_compile.schedule`` prices variants by name and never imports the compiler;
+* ``dcp_compile.runtime`` (process groups, gradient sync, FSDP2, packing, checkpoints) is what a
+  training loop calls around the compiled model (``dcp.runtime.create_sp_groups``,
+  ``idle_round``, ``watch_parameters``);
+* ``dcp_compile.report`` reads the compiler's records and never the other way round;
+* ``dcp_compile.huggingface`` and ``dcp_compile.accelerate``: the Trainer and Accelerate glue.
 
-The names below are loaded on first use, so ``import dcp_compile.compiler.passes`` does not pull
-in the scheduler, and importing the package changes no torch setting and issues no collective.
+Every name loads on first use, so ``import dcp_compile.compiler.passes`` does not pull in the
+scheduler, and importing the package changes no torch setting and issues no collective. A name
+that moved off the top level still resolves for one release, with a ``DeprecationWarning`` that
+names its new spelling.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import warnings
 
+from dcp_compile.errors import DCPError
 from dcp_compile.variant import RecomputePolicy, Variant
 
 # name -> module that defines it (loaded by ``__getattr__`` on first access)
 _EXPORTS = {
-    "Bucket": "dcp_compile.compiler.variant_selection",
     "use": "dcp_compile.compiler.variant_selection",
     "explain": "dcp_compile.compiler.inspection",
-    "recording": "dcp_compile.compiler.inspection",
-    "sharding_summary": "dcp_compile.compiler.sharding_summary",
     "check": "dcp_compile.compiler.self_check",
     "profile": "dcp_compile.device_profile",
-    "CalibrationPoint": "dcp_compile.schedule.cost_model",
     "CostModel": "dcp_compile.schedule.cost_model",
     "ModelProfile": "dcp_compile.schedule.cost_model",
-    "video_attention_span": "dcp_compile.schedule.cost_model",
     "Hardware": "dcp_compile.schedule.hardware",
-    "GroupPlan": "dcp_compile.schedule.plan",
-    "MicroBatch": "dcp_compile.schedule.plan",
-    "Schedule": "dcp_compile.schedule.plan",
-    "StepPlan": "dcp_compile.schedule.plan",
-    "Planner": "dcp_compile.schedule.planner",
-    "PlannerConfig": "dcp_compile.schedule.planner",
-    "PlanningError": "dcp_compile.schedule.planner",
     "DataCentricSampler": "dcp_compile.schedule.sampler",
-    "PlanMismatchError": "dcp_compile.schedule.sampler",
+    "DataCentricBatchSampler": "dcp_compile.schedule.data_loading",
+    "pack_sequences": "dcp_compile.runtime.packing",
     "sync_gradients": "dcp_compile.runtime.gradient_sync",
     "shard_model": "dcp_compile.runtime.fsdp",
     "begin_step": "dcp_compile.runtime.fsdp",
-    "idle_round": "dcp_compile.runtime.fsdp",
-    "DataCentricBatchSampler": "dcp_compile.schedule.data_loading",
-    "LoadedStep": "dcp_compile.schedule.data_loading",
-    "save_checkpoint": "dcp_compile.runtime.checkpoints",
-    "load_checkpoint": "dcp_compile.runtime.checkpoints",
-    "latest_checkpoint": "dcp_compile.runtime.checkpoints",
-    "checkpoint_path": "dcp_compile.runtime.checkpoints",
-    "CheckpointInfo": "dcp_compile.runtime.checkpoints",
-    "watch_parameters": "dcp_compile.runtime.graph_parameters",
-    "PackedBatch": "dcp_compile.runtime.packing",
-    "pack_sequences": "dcp_compile.runtime.packing",
-    "create_sp_groups": "dcp_compile.runtime.process_groups",
-    # Errors a training loop may catch (each names the problem and the fix in its message).
-    "RankMismatchError": "dcp_compile.runtime.consistency",
-    "RankTimeoutError": "dcp_compile.runtime.consistency",
-    "PeerFailureError": "dcp_compile.runtime.consistency",
-    "fault_guard": "dcp_compile.runtime.consistency",
-    "ParametersOutsideGraphs": "dcp_compile.runtime.graph_parameters",
-    "CheckFailed": "dcp_compile.compiler.self_check",
-    "CannotPack": "dcp_compile.compiler.passes.use_varlen_attention",
 }
-_SUBPACKAGES = {"compiler", "kernels", "schedule", "runtime", "huggingface", "accelerate"}
+# the namespaces listed by ``dir``, and the other subpackages, reachable as attributes
+_NAMESPACES = ("schedule", "checkpoint", "report", "errors")
+_SUBPACKAGES = {*_NAMESPACES, "compiler", "kernels", "runtime", "huggingface", "accelerate", "device_profile"}
 
-__all__ = sorted([*_EXPORTS, "RecomputePolicy", "Variant", "RECOMPUTE_POLICIES"])
+# Off the top level since 0.1.0; each still resolves, with a DeprecationWarning, for one release.
+_MOVED = {
+    **{name: "dcp.schedule" for name in (
+        "CalibrationPoint", "video_attention_span", "GroupPlan", "MicroBatch", "Schedule", "StepPlan",
+        "Planner", "PlannerConfig", "LoadedStep", "RECOMPUTE_POLICIES")},
+    **{name: "dcp.checkpoint" for name in (
+        "save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path", "CheckpointInfo")},
+    **{name: "dcp.report" for name in ("recording", "sharding_summary")},
+    **{name: "dcp.errors" for name in (
+        "RankMismatchError", "RankTimeoutError", "PeerFailureError", "fault_guard", "PlanningError",
+        "PlanMismatchError", "ParametersOutsideGraphs", "CheckFailed", "CannotPack")},
+    **{name: "dcp.runtime" for name in ("create_sp_groups", "idle_round", "watch_parameters", "PackedBatch")},
+    "Bucket": "dcp_compile.compiler.variant_selection",
+}
 
-RECOMPUTE_POLICIES = tuple(policy.value for policy in RecomputePolicy)
+__all__ = [  # what ``dir(dcp)`` lists: at most 20 names (tests/test_public_api.py)
+    "CostModel", "DCPError", "DataCentricBatchSampler", "DataCentricSampler", "Hardware",
+    "ModelProfile", "RecomputePolicy", "Variant", "begin_step", "check", "checkpoint", "errors",
+    "explain", "pack_sequences", "profile", "report", "schedule", "shard_model", "sync_gradients",
+    "use",
+]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str):
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
     if name in _SUBPACKAGES:
         return importlib.import_module(f"dcp_compile.{name}")
+    if name in _MOVED:
+        new = _MOVED[name]
+        warnings.warn(f"dcp.{name} is deprecated: use {new}.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(new.replace("dcp.", "dcp_compile.", 1)), name)
     raise AttributeError(f"module 'dcp_compile' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return list(__all__)

@@ -21,7 +21,7 @@ Why each ``# dcp`` line is there:
   by its share of the step's labels, so the step is exactly the mean token loss;
 * with FSDP2, ranks run different numbers of micro-batches, so ``dcp.begin_step`` gathers the
   parameters once per step and ``dcp.sync_gradients`` reduce-scatters once;
-* ``dcp.save_checkpoint`` / ``dcp.load_checkpoint`` keep the sampler's position with the model
+* ``dcp.checkpoint.save_checkpoint`` / ``dcp.checkpoint.load_checkpoint`` keep the sampler's position with the model
   and optimizer (``torch.distributed.checkpoint``, written atomically), so ``--resume``
   continues with exactly the samples not yet seen.
 
@@ -157,7 +157,7 @@ def build_model(args: argparse.Namespace):
 
 
 # --- reporting -------------------------------------------------------------------------------
-def describe(plan: dcp.StepPlan) -> str:
+def describe(plan: dcp.schedule.StepPlan) -> str:
     """The step's plan in one line: SP groups by size, micro-batches per rank, recompute policies."""
     groups: dict[int, int] = {}
     for group in plan.groups:
@@ -204,9 +204,9 @@ def main() -> None:
     loader = DataLoader(dataset, batch_sampler=batches, num_workers=args.num_workers, collate_fn=Collate(pad_id))  # dcp
 
     step = 0
-    latest = dcp.latest_checkpoint(args.checkpoint_dir) if args.resume else None
+    latest = dcp.checkpoint.latest_checkpoint(args.checkpoint_dir) if args.resume else None
     if latest is not None:
-        step = dcp.load_checkpoint(latest, model=model, optimizer=optimizer, batches=batches).step  # dcp
+        step = dcp.checkpoint.load_checkpoint(latest, model=model, optimizer=optimizer, batches=batches).step  # dcp
     bar = tqdm(total=args.steps, initial=step, disable=rank != 0, unit="step", dynamic_ncols=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
     summary_shown = False
@@ -215,7 +215,7 @@ def main() -> None:
             started = time.perf_counter()
             dcp.begin_step(model)  # dcp
             losses = []
-            with dcp.recording() as record:  # what the compiled graphs did: printed once, below
+            with dcp.report.recording() as record:  # what the compiled graphs did: printed once, below
                 for mb, batch in loaded:
                     batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
                     with dcp.use(mb), autocast:  # dcp
@@ -234,10 +234,10 @@ def main() -> None:
                 bar.write(f"step {step}: {loaded.plan.tokens} tokens, {tokens_per_s:,.0f} tokens/s, loss {mean_loss:.4f} | "
                           f"{describe(loaded.plan)}")
                 if not summary_shown and len(record):  # sites sharded, gathers, graphs and why
-                    bar.write(dcp.sharding_summary(record))
+                    bar.write(dcp.report.sharding_summary(record))
                     summary_shown = True
             if args.checkpoint_every and (step % args.checkpoint_every == 0 or step == args.steps):
-                dcp.save_checkpoint(dcp.checkpoint_path(args.checkpoint_dir, step), model=model, optimizer=optimizer, batches=batches, step=step)  # dcp
+                dcp.checkpoint.save_checkpoint(dcp.checkpoint.checkpoint_path(args.checkpoint_dir, step), model=model, optimizer=optimizer, batches=batches, step=step)  # dcp
             if step >= args.steps:
                 break
     bar.close()

@@ -191,7 +191,7 @@ def noised(group: ClipGroup, step: int, seed: int, device: torch.device) -> tupl
 
 
 # --- reporting -------------------------------------------------------------------------------
-def describe(plan: dcp.StepPlan) -> str:
+def describe(plan: dcp.schedule.StepPlan) -> str:
     """The step's plan in one line: SP groups by size, micro-batches per rank, recompute policies."""
     groups: dict[int, int] = {}
     for group in plan.groups:
@@ -239,9 +239,9 @@ def main() -> None:
     loader = DataLoader(dataset, batch_sampler=batches, num_workers=args.num_workers, collate_fn=collate)  # dcp
 
     step = 0
-    latest = dcp.latest_checkpoint(args.checkpoint_dir) if args.resume else None
+    latest = dcp.checkpoint.latest_checkpoint(args.checkpoint_dir) if args.resume else None
     if latest is not None:
-        step = dcp.load_checkpoint(latest, model=model, optimizer=optimizer, batches=batches).step  # dcp
+        step = dcp.checkpoint.load_checkpoint(latest, model=model, optimizer=optimizer, batches=batches).step  # dcp
     bar = tqdm(total=args.steps, initial=step, disable=rank != 0, unit="step", dynamic_ncols=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
     summary_shown = False
@@ -250,7 +250,7 @@ def main() -> None:
             started = time.perf_counter()
             dcp.begin_step(model)  # dcp
             losses = []
-            with dcp.recording() as record:  # what the compiled graphs did: printed once, below
+            with dcp.report.recording() as record:  # what the compiled graphs did: printed once, below
                 for mb, clip_groups in loaded:
                     for group in clip_groups:
                         inputs, noise = noised(group, step, args.seed, device)
@@ -271,10 +271,10 @@ def main() -> None:
                 bar.write(f"step {step}: {loaded.plan.tokens} tokens, {tokens_per_s:,.0f} tokens/s, loss {mean_loss:.4f} | "
                           f"{describe(loaded.plan)}")
                 if not summary_shown and len(record):  # sites sharded, gathers, graphs and why
-                    bar.write(dcp.sharding_summary(record))
+                    bar.write(dcp.report.sharding_summary(record))
                     summary_shown = True
             if args.checkpoint_every and (step % args.checkpoint_every == 0 or step == args.steps):
-                dcp.save_checkpoint(dcp.checkpoint_path(args.checkpoint_dir, step), model=model, optimizer=optimizer, batches=batches, step=step)  # dcp
+                dcp.checkpoint.save_checkpoint(dcp.checkpoint.checkpoint_path(args.checkpoint_dir, step), model=model, optimizer=optimizer, batches=batches, step=step)  # dcp
             if step >= args.steps:
                 break
     bar.close()

@@ -111,7 +111,7 @@ def main() -> None:
     while step < args.steps:
         for loaded in loader:  # dcp: one item per optimizer step, on every rank
             started = time.perf_counter()
-            with dcp.recording() as record:  # what the compiled graphs did: printed once, below
+            with dcp.report.recording() as record:  # what the compiled graphs did: printed once, below
                 loss_sum = torch.zeros((), device=accelerator.device)
                 for mb, clip_groups in loaded:
                     for group in clip_groups:
@@ -135,7 +135,7 @@ def main() -> None:
                 bar.write(f"step {step}: {loaded.plan.tokens} tokens, {tokens_per_s:,.0f} tokens/s, loss {mean_loss:.4f} | "
                           f"{describe(loaded.plan)}")
                 if not summary_shown and len(record):  # sites sharded, gathers, graphs and why
-                    bar.write(dcp.sharding_summary(record))
+                    bar.write(dcp.report.sharding_summary(record))
                     summary_shown = True
             if args.checkpoint_every and (step % args.checkpoint_every == 0 or step == args.steps):
                 path = output_dir / f"checkpoint-{step}"

@@ -146,7 +146,7 @@ def ring_worker(rank: int, world_size: int, names: list[str], lengths: list[int]
                                         f"{variant.attention_sites} sites")
             summary = "\n".join(records.summary_lines())
             results.setdefault("summaries", {})[label] = summary
-            results.setdefault("sharding", {})[label] = dcp.sharding_summary(records)
+            results.setdefault("sharding", {})[label] = dcp.report.sharding_summary(records)
         results[name] = {"problems": problems, "layouts": sorted(layouts), "padded": padded, "work": work}
     return results
 

@@ -373,7 +373,7 @@ def check_model(name: str, factory: Callable[[], nn.Module], make_input: Callabl
         try:
             eager_model = factory()
             reference = run(eager_model, eager_model, make_input(length))
-            with dcp.recording() as records:  # the records of this call, no extra forward, no graph snapshots
+            with dcp.report.recording() as records:  # the records of this call, no extra forward, no graph snapshots
                 actual = run(model, compiled, make_input(length), group=True)
             if not records.graphs:  # as dcp.explain would refuse: the check must have run dcp's code
                 raise RuntimeError("the call ran no graph compiled by the dcp backend")

@@ -80,7 +80,7 @@ def test_bucket_boundaries_are_inclusive():
 
 
 def test_use_takes_a_microbatch_or_a_variant_and_rejects_others():
-    microbatch = dcp.MicroBatch(indices=(0,), variant=Variant(1, "full"), loss_scale=1.0, group_ranks=(0,),
+    microbatch = dcp.schedule.MicroBatch(indices=(0,), variant=Variant(1, "full"), loss_scale=1.0, group_ranks=(0,),
                                 predicted_time=0.0)
     with dcp.use(microbatch) as variant:
         assert variant == Variant(1, "full")
@@ -90,7 +90,7 @@ def test_use_takes_a_microbatch_or_a_variant_and_rejects_others():
     class LooksLikeAPlan:  # duck-typed attributes are not a plan: say what is expected
         sp_size, recompute = 1, "full"
 
-    with pytest.raises(TypeError, match="needs a dcp.MicroBatch"):
+    with pytest.raises(TypeError, match="needs a dcp.schedule.MicroBatch"):
         with dcp.use(LooksLikeAPlan()):
             pass
 
@@ -108,7 +108,7 @@ def _no_lazy_group_worker(rank, world_size):
     """A forward call never creates process groups: an SP size nobody created is a clear error."""
     from dcp_compile.runtime.process_groups import sp_group
 
-    with pytest.raises(ValueError, match=r"no process groups exist for SP size 2.*dcp.create_sp_groups\(\[2\]\)"):
+    with pytest.raises(ValueError, match=r"no process groups exist for SP size 2.*dcp.runtime.create_sp_groups\(\[2\]\)"):
         sp_group(2)
     return True
 

@@ -1,4 +1,4 @@
-"""Checkpoints through ``torch.distributed.checkpoint``: ``dcp.save_checkpoint`` / ``dcp.load_checkpoint``.
+"""Checkpoints through ``torch.distributed.checkpoint``: ``dcp.checkpoint.save_checkpoint`` / ``dcp.checkpoint.load_checkpoint``.
 
 * **Bitwise resume.** On 2 gloo ranks, a TinyGPT (replicated, and sharded with
   ``dcp.shard_model``) compiled with ``backend="dcp"`` trains 4 data-centric steps through a
@@ -65,7 +65,7 @@ def equal(a: np.ndarray, b: np.ndarray) -> bool:
 
 def train_rank(rank: int, world_size: int, directory: str, sharded: bool, resume: bool) -> dict:
     """Train up to TOTAL_STEPS steps; save after SAVED_AFTER; with ``resume``, start from the checkpoint."""
-    dcp.create_sp_groups()
+    dcp.runtime.create_sp_groups()
     lengths = sample_lengths()
     cost_model = CostModel(ModelProfile.from_config("llama-3-8b"), Hardware.H200, optimizer_shards=world_size)
     sampler = dcp.DataCentricSampler(lengths, tokens_per_step=120, cost_model=cost_model, seed=3,
@@ -77,7 +77,7 @@ def train_rank(rank: int, world_size: int, directory: str, sharded: bool, resume
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     step = 0
     if resume:
-        info = dcp.load_checkpoint(dcp.latest_checkpoint(directory), model=model, optimizer=optimizer, batches=batches)
+        info = dcp.checkpoint.load_checkpoint(dcp.checkpoint.latest_checkpoint(directory), model=model, optimizer=optimizer, batches=batches)
         step = info.step
     trained, sp_sizes = [], set()
     for loaded in batches.steps(loader):
@@ -94,7 +94,7 @@ def train_rank(rank: int, world_size: int, directory: str, sharded: bool, resume
         step += 1
         trained.append(sorted(loaded.plan.indices))
         if step == SAVED_AFTER and not resume:
-            dcp.save_checkpoint(dcp.checkpoint_path(directory, step), model=compiled, optimizer=optimizer,
+            dcp.checkpoint.save_checkpoint(dcp.checkpoint.checkpoint_path(directory, step), model=compiled, optimizer=optimizer,
                                 batches=batches, step=step)
         if step == TOTAL_STEPS:
             break
@@ -105,7 +105,7 @@ def train_rank(rank: int, world_size: int, directory: str, sharded: bool, resume
 @pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["replicated", "fsdp2"])
 def test_a_resumed_run_continues_bitwise_like_an_uninterrupted_one(tmp_path: Path, sharded: bool) -> None:
     uninterrupted = run_in_process_world(train_rank, WORLD_SIZE, str(tmp_path), sharded, False, timeout=600)
-    assert dcp.latest_checkpoint(tmp_path) == dcp.checkpoint_path(tmp_path, SAVED_AFTER)
+    assert dcp.checkpoint.latest_checkpoint(tmp_path) == dcp.checkpoint.checkpoint_path(tmp_path, SAVED_AFTER)
     resumed = run_in_process_world(train_rank, WORLD_SIZE, str(tmp_path), sharded, True, timeout=600)
     assert set().union(*(r["sp_sizes"] for r in uninterrupted)) >= {1, 2}, "plans should mix SP sizes"
     start = full_parameters(make_model(False))
@@ -136,7 +136,7 @@ def _save_then_crash(rank: int, world_size: int, directory: str) -> None:
     """Save step 1 completely; rank 1 dies right after writing its files for step 2."""
     from torch.distributed.checkpoint import FileSystemWriter
 
-    dcp.save_checkpoint(dcp.checkpoint_path(directory, 1), model=_perturbed_model(1), step=1)
+    dcp.checkpoint.save_checkpoint(dcp.checkpoint.checkpoint_path(directory, 1), model=_perturbed_model(1), step=1)
     if rank == 1:
         write_data = FileSystemWriter.write_data
 
@@ -146,14 +146,14 @@ def _save_then_crash(rank: int, world_size: int, directory: str) -> None:
             os._exit(17)  # a kill: no exception handler, no cleanup
 
         FileSystemWriter.write_data = write_then_die
-    dcp.save_checkpoint(dcp.checkpoint_path(directory, 2), model=_perturbed_model(2), step=2)
+    dcp.checkpoint.save_checkpoint(dcp.checkpoint.checkpoint_path(directory, 2), model=_perturbed_model(2), step=2)
 
 
 def _load_latest_and_save_again(rank: int, world_size: int, directory: str) -> dict:
     model = make_model(sharded=True)
-    info = dcp.load_checkpoint(dcp.latest_checkpoint(directory), model=model)
+    info = dcp.checkpoint.load_checkpoint(dcp.checkpoint.latest_checkpoint(directory), model=model)
     loaded = full_parameters(model)
-    dcp.save_checkpoint(dcp.checkpoint_path(directory, 2), model=_perturbed_model(2), step=2)
+    dcp.checkpoint.save_checkpoint(dcp.checkpoint.checkpoint_path(directory, 2), model=_perturbed_model(2), step=2)
     return {"step": info.step, "parameters": loaded, "expected": full_parameters(_perturbed_model(1))}
 
 
@@ -162,14 +162,14 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(tmp_path: Pa
     with pytest.raises(ProcessWorldError, match=r"rank 1 died with exit code 17|rank 0 failed:[\s\S]*Connection"):
         run_in_process_world(_save_then_crash, WORLD_SIZE, str(tmp_path), timeout=300)
     assert (tmp_path / "step_000000002.partial").is_dir(), "rank 1 should have died mid-save"
-    assert not dcp.checkpoint_path(tmp_path, 2).exists(), "a half-written checkpoint got its final name"
-    assert dcp.latest_checkpoint(tmp_path) == dcp.checkpoint_path(tmp_path, 1)
+    assert not dcp.checkpoint.checkpoint_path(tmp_path, 2).exists(), "a half-written checkpoint got its final name"
+    assert dcp.checkpoint.latest_checkpoint(tmp_path) == dcp.checkpoint.checkpoint_path(tmp_path, 1)
     results = run_in_process_world(_load_latest_and_save_again, WORLD_SIZE, str(tmp_path), timeout=300)
     for result in results:
         assert result["step"] == 1
         for name, value in result["expected"].items():
             assert equal(result["parameters"][name], value), name
-    assert dcp.latest_checkpoint(tmp_path) == dcp.checkpoint_path(tmp_path, 2)
+    assert dcp.checkpoint.latest_checkpoint(tmp_path) == dcp.checkpoint.checkpoint_path(tmp_path, 2)
     assert not (tmp_path / "step_000000002.partial").exists(), "the leftover was not cleaned up"
 
 
@@ -181,22 +181,22 @@ def test_one_process_round_trip_and_clear_errors(tmp_path: Path) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(**pad_right(make_dataset()[:3])).backward()
     optimizer.step()
-    path = dcp.save_checkpoint(dcp.checkpoint_path(tmp_path, 7), model=model, optimizer=optimizer, step=7)
+    path = dcp.checkpoint.save_checkpoint(dcp.checkpoint.checkpoint_path(tmp_path, 7), model=model, optimizer=optimizer, step=7)
 
     restored = make_model(sharded=False)
     restored_optimizer = torch.optim.AdamW(restored.parameters(), lr=1e-2)
-    assert dcp.load_checkpoint(path, model=restored, optimizer=restored_optimizer).step == 7
+    assert dcp.checkpoint.load_checkpoint(path, model=restored, optimizer=restored_optimizer).step == 7
     for (name, value), other in zip(model.state_dict().items(), restored.state_dict().values()):
         assert torch.equal(value, other), name
     assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], restored_optimizer.state_dict()["state"][0]["exp_avg"])
 
     with pytest.raises(FileExistsError, match="checkpoint_path"):
-        dcp.save_checkpoint(path, model=model)
+        dcp.checkpoint.save_checkpoint(path, model=model)
     cost_model = CostModel(ModelProfile.from_config("llama-3-8b"), Hardware.H200, optimizer_shards=WORLD_SIZE)
     sampler = dcp.DataCentricSampler(sample_lengths(), tokens_per_step=120, cost_model=cost_model, world_size=1, rank=0)
     with pytest.raises(ValueError, match=r"not \['batches'\]"):
-        dcp.load_checkpoint(path, model=restored, batches=sampler)
+        dcp.checkpoint.load_checkpoint(path, model=restored, batches=sampler)
     (tmp_path / "step_000000009.partial").mkdir()
-    assert dcp.latest_checkpoint(tmp_path) == path
+    assert dcp.checkpoint.latest_checkpoint(tmp_path) == path
     with pytest.raises(FileNotFoundError, match="interrupted"):
-        dcp.load_checkpoint(tmp_path / "step_000000009", model=restored)
+        dcp.checkpoint.load_checkpoint(tmp_path / "step_000000009", model=restored)

@@ -226,7 +226,7 @@ def _choice_worker(rank, world_size, variants, table):
                 "all_to_all": variant.collectives.get("all_to_all_single", 0),
                 "plain_all_to_all": plain.collectives.get("all_to_all_single", 0) if plain else None,
             }
-    summary = dcp.sharding_summary(record)
+    summary = dcp.report.sharding_summary(record)
     if world_size > 1:
         dist.barrier()
     return ran, variants_seen, summary

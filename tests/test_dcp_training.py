@@ -87,7 +87,7 @@ def make_model() -> TinyGPT:
     return TinyGPT(VOCAB, HIDDEN, LAYERS, HEADS)
 
 
-def step_plan(step: int, rank: int) -> dcp.StepPlan:
+def step_plan(step: int, rank: int) -> dcp.schedule.StepPlan:
     """The plan of ``step`` for ``rank``, through the library's own record (execution order and
     ``loss_scale = supervised tokens(mb) / supervised tokens(step)`` come from ``StepPlan``)."""
     lengths, microbatches = STEPS[step]
@@ -98,14 +98,14 @@ def step_plan(step: int, rank: int) -> dcp.StepPlan:
     ])
     schedule.validate(len(lengths))
     offset = step_offsets()[step]
-    return dcp.StepPlan.from_schedule(
+    return dcp.schedule.StepPlan.from_schedule(
         schedule, step=step, epoch=0, rank=rank, indices=[offset + p for p in range(len(lengths))],
         lengths=lengths, supervised_tokens=[n - 1 for n in lengths],
     )
 
 
 def train_rank(rank: int, world_size: int) -> dict:
-    dcp.create_sp_groups()  # every group on every rank before any rank picks a variant
+    dcp.runtime.create_sp_groups()  # every group on every rank before any rank picks a variant
     dataset = make_dataset()
     model = make_model()
     compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager"})

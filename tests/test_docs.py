@@ -265,7 +265,7 @@ def _checkpoints(rank: int, world_size: int, directory: str) -> dict:
     return {
         "step": namespace["step"],
         "latest": str(namespace["latest"]),
-        "path": str(dcp.checkpoint_path("checkpoints", 3)),
+        "path": str(dcp.checkpoint.checkpoint_path("checkpoints", 3)),
         "same": all(torch.equal(a, p.detach()) for a, p in zip(saved, model.parameters())),
     }
 

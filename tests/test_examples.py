@@ -25,7 +25,7 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 STEP_LINE = re.compile(r"^step (\d+): \d+ tokens, [\d,]+ tokens/s, loss [\d.]+ \| plan: (.*) \| "
                        r"micro-batches per rank \[\d+, \d+\] \| recompute \w+", re.M)
-# printed once after the first step (dcp.sharding_summary): graphs, sharded attention, gathers
+# printed once after the first step (dcp.report.sharding_summary): graphs, sharded attention, gathers
 SUMMARY = re.compile(r"^dcp: \d+ graph\(s\) ran, \d+ with attention\n(  .*\n)*  SP 2: attention sites sharded "
                      r"(\d+)/(\d+) .*\| gathers \d+", re.M)
 

@@ -361,7 +361,7 @@ def _guide_loop(rank: int, world_size: int, block: str) -> list[float]:
     from dcp_compile.schedule.sampler import DataCentricSampler
     from doc_blocks import run_python_block
 
-    dcp.create_sp_groups()
+    dcp.runtime.create_sp_groups()
     torch.manual_seed(0)
     model = TinyGPT(VOCAB, 16, 1, 2)
     compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager"})

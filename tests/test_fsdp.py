@@ -73,7 +73,7 @@ def make_model() -> TinyGPT:
 def train_rank(rank: int, world_size: int, steps: list[int], options: dict | None = None) -> dict:
     from torch.distributed.tensor import DTensor
 
-    dcp.create_sp_groups()
+    dcp.runtime.create_sp_groups()
     dataset = make_dataset()
     sampler = make_sampler(rank)
     model = dcp.shard_model(make_model())

@@ -112,7 +112,7 @@ def train_rank(rank: int, world: int, steps: list[int], layers: int = 2, offload
                explicit_rounds: bool = False) -> dict:
     from torch.distributed.tensor import DTensor
 
-    dcp.create_sp_groups()
+    dcp.runtime.create_sp_groups()
     dataset = make_dataset()
     sampler = make_sampler(rank, world, "sharded_offload" if offload else "sharded")
     model = dcp.shard_model(make_model(layers), reshard_after_forward=True, offload=offload)
@@ -137,7 +137,7 @@ def train_rank(rank: int, world: int, steps: list[int], layers: int = 2, offload
             loss = compiled(ids, labels)
         (loss * mb.loss_scale).backward()
 
-    with dcp.recording() as records:  # every graph the steps ran, nothing run again
+    with dcp.report.recording() as records:  # every graph the steps ran, nothing run again
         for step in steps:
             plan = sampler.plan(step)
             rounds.append(plan.num_rounds)
@@ -145,7 +145,7 @@ def train_rank(rank: int, world: int, steps: list[int], layers: int = 2, offload
             dcp.begin_step(model, plan)
             for mb in plan.rounds if explicit_rounds else plan.microbatches:
                 if mb is None:  # explicit rounds: this rank idles in this one
-                    dcp.idle_round(model)
+                    dcp.runtime.idle_round(model)
                 else:
                     train(mb)
             dcp.sync_gradients(model)
@@ -242,7 +242,7 @@ def test_only_about_one_block_is_unsharded_inside_a_micro_batch() -> None:
 
 def _leave_the_plan(rank: int, world: int, steps: list[int]) -> str:
     """Rank 1 skips its last micro-batch of the step; every rank must end in an error, not a hang."""
-    dcp.create_sp_groups()
+    dcp.runtime.create_sp_groups()
     dataset = make_dataset()
     sampler = make_sampler(rank, world)
     model = dcp.shard_model(make_model(), reshard_after_forward=True)
@@ -312,7 +312,7 @@ def _guide_loop(rank: int, world: int, block: str) -> dict:
     from doc_blocks import run_python_block
     from test_fsdp import GUIDE_MAX_TOKENS_PER_RANK, GUIDE_TOKENS_PER_STEP, guide_dataset, guide_llama
 
-    with dcp.recording() as records:
+    with dcp.report.recording() as records:
         namespace = run_python_block(block, "docs/training.md", model=guide_llama(), dataset=guide_dataset(),
                                      tokens_per_step=GUIDE_TOKENS_PER_STEP,
                                      max_tokens_per_rank=GUIDE_MAX_TOKENS_PER_RANK, inner="eager")

@@ -61,7 +61,7 @@ def _fsdp_step(rank: int, world_size: int) -> dict:
 
     model = dcp.shard_model(build_model(TINY))
     compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager"})
-    dcp.create_sp_groups()
+    dcp.runtime.create_sp_groups()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dcp.begin_step(model)

@@ -1,6 +1,6 @@
 """Parameters that a graph break leaves in eager code, trained with the README's first loop
 (compile, ``loss.backward()``, gradients summed over the SP group; no ``dcp.sync_gradients``, no
-``dcp.watch_parameters``): the summed gradients equal eager's, because the first compiled call
+``dcp.runtime.watch_parameters``): the summed gradients equal eager's, because the first compiled call
 hooks the called module's parameters and each hook divides by the SP size of its backward.
 
 Two models on two real gloo ranks, against eager on the full batch:

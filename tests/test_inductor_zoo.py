@@ -1,6 +1,6 @@
 """Every diffusers DiT of the real-model zoo compiles with Inductor under dcp, with no fallback.
 
-The zoo's worker (``dcp_compile/testing/real_models.py``) with ``inner="inductor"`` at SP 2 on a
+The zoo's worker (``tests/real_models.py``) with ``inner="inductor"`` at SP 2 on a
 2-rank gloo world, at both of each case's token counts (a compiled backward must serve a second length): sharding as in ``test_real_model_zoo.py``,
 forward+backward parity with eager, and no variant that fell back to ``aot_eager``
 (``VariantRecord.inner_fallback``, which ``dcp.explain`` prints). Parity is ``allclose`` as in
@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcp_compile.testing import real_models as rm
+import real_models as rm
 
 DIFFUSERS = [case.name for case in rm.CASES.values() if case.library == "diffusers"]
 CASE_TIMEOUT = 1800.0  # seconds: two ranks each compiling forward and backward with Inductor

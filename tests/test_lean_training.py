@@ -99,7 +99,7 @@ def _training_worker(rank: int, world_size: int, length: int, policy: str) -> di
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     problems: list[str] = []
     step_losses: list[float] = []
-    with dcp.recording() as records:
+    with dcp.report.recording() as records:
         for step in range(STEPS):
             plan = StepPlan.from_schedule(schedule, step=step, epoch=0, rank=rank, indices=[0], lengths=[length])
             (mb,) = plan.microbatches  # the one sample on both ranks: the loop of docs/training.md

@@ -60,3 +60,13 @@ def test_importing_the_passes_loads_no_scheduler_and_changes_no_torch_setting():
 def test_no_package_dir_renaming():
     pyproject = (PACKAGE.parent / "pyproject.toml").read_text()
     assert "package-dir" not in pyproject
+
+
+def test_the_test_model_zoo_is_not_shipped():
+    """The real-model zoo (tiny random configs of transformers and diffusers models) is a test fixture:
+    tests/real_models.py, beside the tests and benchmarks that import it; no shipped module imports it."""
+    assert not (PACKAGE / "testing" / "real_models.py").exists()
+    assert (PACKAGE.parent / "tests" / "real_models.py").exists()
+    offenders = [str(path.relative_to(PACKAGE)) for path in sorted(PACKAGE.rglob("*.py"))
+                 if any(module.split(".")[-1] == "real_models" for module in _imported_modules(path))]
+    assert not offenders, offenders

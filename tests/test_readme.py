@@ -48,7 +48,7 @@ def dataset() -> list[torch.Tensor]:
 
 
 def _run_block(rank: int, world_size: int, block: str, inner: str) -> dict:
-    model = tiny_llama()  # no dcp.create_sp_groups(): iterating the block's sampler creates them
+    model = tiny_llama()  # no dcp.runtime.create_sp_groups(): iterating the block's sampler creates them
     namespace = run_python_block(block, "docs/training.md", model=model, dataset=dataset(), inner=inner,
                                  tokens_per_step=TOKENS_PER_STEP, max_tokens_per_rank=MAX_TOKENS_PER_RANK)
     sampler = namespace["sampler"]  # the block rebinds "model" to the compiled one; ``model`` is the module

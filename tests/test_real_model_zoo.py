@@ -1,5 +1,5 @@
 """Sharding that holds on real models: the ``diffusers`` DiTs and ``transformers`` families of
-``dcp_compile/testing/real_models.py`` (tiny random configs, nothing downloaded), each on a 2-rank gloo world.
+``tests/real_models.py`` (tiny random configs, nothing downloaded), each on a 2-rank gloo world.
 
 For every case, compiled once with ``torch.compile(model, backend="dcp", dynamic=True,
 options={"inner": "eager", "sp_size": 2})`` and run at an odd and an even token count:
@@ -28,7 +28,7 @@ import time
 import pytest
 import torch
 
-from dcp_compile.testing import real_models as rm
+import real_models as rm
 
 _ROWS: list[dict] = []
 

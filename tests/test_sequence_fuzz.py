@@ -23,7 +23,7 @@ CPU per program, rank 0, process clock: ~1.3 s at SP 2 before the cuts of 2026-1
 ~0.48 s, dcp's ATen capture 0.11, shard_sequence's re-trace 0.27-0.31, insert_all_to_all 0.18-0.21,
 dcp.explain's graph snapshots 0.13, eager reference and the checked runs 0.05), ~0.8-1.0 s after
 (the re-traces without the fake-tensor dispatch cache, alike attention sites traced once, records
-from ``dcp.recording()``); ~0.9-1.1 s at SP 4. Dynamo's own trace is now about half of it.
+from ``dcp.report.recording()``); ~0.9-1.1 s at SP 4. Dynamo's own trace is now about half of it.
 """
 
 from __future__ import annotations

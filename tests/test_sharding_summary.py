@@ -1,4 +1,4 @@
-"""``dcp.sharding_summary``: the once-after-warm-up lines the examples print, from records alone."""
+"""``dcp.report.sharding_summary``: the once-after-warm-up lines the examples print, from records alone."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def test_the_summary_counts_sites_gathers_graphs_and_explains_collectives() -> N
     local = VariantRecord(dcp.Variant(1), attention_sites=2)
     graphs = [GraphRecord(0, attention_sites=["a", "b"], variants={dcp.Variant(2): sharded, dcp.Variant(1): local}),
               GraphRecord(1)]
-    text = dcp.sharding_summary(ModelRecord(graphs))
+    text = dcp.report.sharding_summary(ModelRecord(graphs))
     assert text.splitlines()[0] == "dcp: 2 graph(s) ran, 1 with attention"
     assert "why several graphs:" in text
     assert "SP 2: attention sites sharded 2/2 (2 under the all-to-all) over 1 graph variant(s) | gathers 0" in text
@@ -23,8 +23,8 @@ def test_the_summary_counts_sites_gathers_graphs_and_explains_collectives() -> N
 
 def test_an_unsharded_variant_is_named_and_sp1_only_runs_say_so() -> None:
     broken = VariantRecord(dcp.Variant(2), attention_sites=2, sharded_sites=["a"], fallback_reason="a reason")
-    text = dcp.sharding_summary(ModelRecord([GraphRecord(0, attention_sites=["a", "b"], variants={dcp.Variant(2): broken})]))
+    text = dcp.report.sharding_summary(ModelRecord([GraphRecord(0, attention_sites=["a", "b"], variants={dcp.Variant(2): broken})]))
     assert "NOT SHARDED" in text and "a reason" in text
     local = VariantRecord(dcp.Variant(1), attention_sites=2)
-    text = dcp.sharding_summary(ModelRecord([GraphRecord(0, attention_sites=["a"], variants={dcp.Variant(1): local})]))
+    text = dcp.report.sharding_summary(ModelRecord([GraphRecord(0, attention_sites=["a"], variants={dcp.Variant(1): local})]))
     assert "no SP>1 variant with attention has run yet" in text

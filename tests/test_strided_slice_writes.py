@@ -267,7 +267,7 @@ def test_diffusers_wan_rotary_write_stays_sharded_at_even_and_odd_token_counts()
     parity with eager, every attention site sharded, and the one gather its unpatchify's, none
     for the rotary write (``out[..., 0::2] = ...`` into ``empty_like(query)``)."""
     pytest.importorskip("diffusers")
-    from dcp_compile.testing import real_models as rm
+    import real_models as rm
 
     rows = rm.run_case("wan", world_size=2, timeout=rm.CASE_TIMEOUT, lengths=(60, 105))
     assert sorted(row["tokens"] % 2 for row in rows) == [0, 1], [row["tokens"] for row in rows]

@@ -99,7 +99,7 @@ def _world_of_three_worker(rank, world_size):
     case = ZOO["gpt"]
     model = case.build()
     compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager"})
-    dcp.create_sp_groups()  # every group on every rank, before any rank reads its own
+    dcp.runtime.create_sp_groups()  # every group on every rank, before any rank reads its own
     sp_size, length = (2, 19) if rank < 2 else (1, 12)
     with dcp.use(dcp.Variant(sp_size)):
         group = sp_group(2).process_group if sp_size == 2 else None

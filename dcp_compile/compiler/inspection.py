@@ -24,7 +24,7 @@ def snapshots_requested() -> bool:
 @contextlib.contextmanager
 def recording() -> Iterator[ModelRecord]:
     """Collect the records of the dcp graphs called inside the block (a training step), running
-    nothing extra: what a training script prints after warm-up (``dcp.sharding_summary``), where
+    nothing extra: what a training script prints after warm-up (``dcp.report.sharding_summary``), where
     ``explain`` would need one more forward. No before/after graph snapshots are kept."""
     record = ModelRecord()
     previous = (getattr(_collectors, "records", None), getattr(_collectors, "snapshots", True))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from dcp_compile.errors import DCPError
 from dcp_compile.runtime.graph_parameters import correct_parameters_outside_graphs
 from dcp_compile.compiler.inspection import explain
 from dcp_compile.compiler.record import ModelRecord
@@ -29,7 +30,7 @@ from dcp_compile.compiler.record import ModelRecord
 log = logging.getLogger(__name__)
 
 
-class CheckFailed(AssertionError):
+class CheckFailed(DCPError, AssertionError):
     """The compiled model disagrees with eager; the message names the module and the values."""
 
 

@@ -1,8 +1,8 @@
-"""``dcp.sharding_summary(record)``: the line a training script prints once after warm-up.
+"""``dcp.report.sharding_summary(record)``: the line a training script prints once after warm-up.
 
 Why: a run that trains and converges says nothing about whether DCP sharded anything (an
 unsharded graph is exact too), how much it gathered, or why the model became several graphs.
-This answers those three in a few lines from the records (``dcp.recording()`` around a step, or
+This answers those three in a few lines from the records (``dcp.report.recording()`` around a step, or
 ``dcp.explain``), without running anything.
 """
 

@@ -83,7 +83,7 @@ def variant_of(plan: Any) -> Variant:
     if isinstance(variant, Variant):
         return variant
     raise TypeError(
-        f"dcp.use() needs a dcp.MicroBatch (from a StepPlan) or a dcp.Variant(sp_size=..., "
+        f"dcp.use() needs a dcp.schedule.MicroBatch (from a StepPlan) or a dcp.Variant(sp_size=..., "
         f"recompute=...), got {type(plan).__name__}"
     )
 

@@ -127,7 +127,7 @@ def collate(dataset: Sequence[torch.Tensor], indices: Sequence[int], device: tor
     return ids.to(device), labels.to(device)
 
 
-def pack(dataset: Sequence[torch.Tensor], indices: Sequence[int], device: torch.device) -> dcp.PackedBatch:
+def pack(dataset: Sequence[torch.Tensor], indices: Sequence[int], device: torch.device) -> dcp.runtime.PackedBatch:
     """A micro-batch as one packed row: no padding, attention kept apart by the varlen kernel.
 
     ``dcp.pack_sequences`` ignores the label of each sequence's first token after the first, so the
@@ -137,7 +137,7 @@ def pack(dataset: Sequence[torch.Tensor], indices: Sequence[int], device: torch.
     return dcp.pack_sequences([dataset[i] for i in indices]).to(device)
 
 
-def packed_loss(compiled, variant: dcp.Variant, packed: dcp.PackedBatch) -> torch.Tensor:
+def packed_loss(compiled, variant: dcp.Variant, packed: dcp.runtime.PackedBatch) -> torch.Tensor:
     with dcp.use(variant, sequence_lengths=packed.sequence_lengths):
         return compiled(packed.input_ids, packed.labels, packed.position_ids)
 
@@ -262,7 +262,7 @@ def probe_machine(compiled, model: torch.nn.Module, cost_model: dcp.CostModel, d
     return MachineSpeed(_world_max(statistics.median(times), device) / cost_model.time([PROBE_LENGTH], 1, "none"))
 
 
-def at_speed(cost_model: dcp.CostModel, silent: dcp.CostModel, microbatches: Sequence[dcp.MicroBatch],
+def at_speed(cost_model: dcp.CostModel, silent: dcp.CostModel, microbatches: Sequence[dcp.schedule.MicroBatch],
              lengths: Sequence[int], speed: MachineSpeed, world_size: int) -> list[float]:
     """Each rank's predicted busy time for ``microbatches`` at the machine's probed speed."""
     ranks = [0.0] * world_size
@@ -476,7 +476,7 @@ def prediction_by_kind(timings: Sequence[MicroBatchTiming]) -> list[str]:
 
 
 def static_microbatches(step_indices: Sequence[int], lengths: Sequence[int], capacity: int,
-                        world_size: int, variant: dcp.Variant) -> list[dcp.MicroBatch]:
+                        world_size: int, variant: dcp.Variant) -> list[dcp.schedule.MicroBatch]:
     """Static SP's own micro-batches for a step: its samples in arrival order, packed up to
     ``capacity`` tokens (static SP's per-micro-batch budget on ``world_size`` ranks), not DCP's
     micro-batches, which were cut for a smaller group and would make static SP pay their extra
@@ -493,14 +493,14 @@ def static_microbatches(step_indices: Sequence[int], lengths: Sequence[int], cap
     supervised = sum(lengths[i] - 1 for i in step_indices)
     ranks = tuple(range(world_size))
     return [
-        dcp.MicroBatch(indices=tuple(batch), variant=variant, group_ranks=ranks, predicted_time=0.0,
+        dcp.schedule.MicroBatch(indices=tuple(batch), variant=variant, group_ranks=ranks, predicted_time=0.0,
                        loss_scale=sum(lengths[i] - 1 for i in batch) / supervised if supervised else 0.0,
                        tokens=sum(lengths[i] for i in batch))
         for batch in batches
     ]
 
 
-def padding_fraction(microbatches: Sequence[dcp.MicroBatch]) -> float:
+def padding_fraction(microbatches: Sequence[dcp.schedule.MicroBatch]) -> float:
     """Padding share of the computed tokens: rows are packed (no padding between samples) and
     sharded into uneven chunks, so the only "padding" is the skew of the longest shard, counted as
     if every shard were padded to it (``ceil(tokens / sp) * sp - tokens`` per micro-batch)."""
@@ -522,7 +522,7 @@ class RankStep:
     loss_share: float
 
 
-def run_step(compiled, model, optimizer, dataset, work: Sequence[tuple[dcp.MicroBatch, dcp.Variant, bool]],
+def run_step(compiled, model, optimizer, dataset, work: Sequence[tuple[dcp.schedule.MicroBatch, dcp.Variant, bool]],
              device: torch.device) -> RankStep:
     """One optimizer step over ``work`` = this rank's (micro-batch, variant, counts its loss) list.
 
@@ -587,7 +587,7 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
     device = torch.device("cuda", torch.cuda.current_device()) if (
         dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
     if distributed:
-        dcp.create_sp_groups()  # every SP group, on every rank, before any rank picks a variant
+        dcp.runtime.create_sp_groups()  # every SP group, on every rank, before any rank picks a variant
     if not measured:
         raise ValueError("train needs the ranks' compute profiles (profile_compute); run_demo measures them")
 
@@ -639,8 +639,8 @@ def train(rank: int, world_size: int, steps: int = 6, inner: str = "aot_eager", 
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE) for name in weights}
     results: dict[str, list[StepResult]] = {"dcp": [], "static": []}
     silent = cost_model.without_communication()
-    all_dcp: list[dcp.MicroBatch] = []
-    all_static: list[dcp.MicroBatch] = []
+    all_dcp: list[dcp.schedule.MicroBatch] = []
+    all_static: list[dcp.schedule.MicroBatch] = []
     timings: list[MicroBatchTiming] = []
     say("")
     say(f"=== training: each step runs twice from its own weights, with the DCP plan (SP size and recompute per "
@@ -754,12 +754,12 @@ def warm_up(compiled, model: torch.nn.Module, variants: Sequence[dcp.Variant], d
     model.zero_grad(set_to_none=True)
 
 
-def mechanism_lines(cost_model: dcp.CostModel, dcp_mbs: Sequence[dcp.MicroBatch], static_mbs: Sequence[dcp.MicroBatch],
+def mechanism_lines(cost_model: dcp.CostModel, dcp_mbs: Sequence[dcp.schedule.MicroBatch], static_mbs: Sequence[dcp.schedule.MicroBatch],
                     lengths: Sequence[int], world_size: int, static_policy: dcp.RecomputePolicy) -> list[str]:
     """Where the difference comes from, priced by the same cost model that made the plans."""
     silent = cost_model.without_communication()
 
-    def priced(model: dcp.CostModel, mbs: Sequence[dcp.MicroBatch], policy: dcp.RecomputePolicy | None = None) -> float:
+    def priced(model: dcp.CostModel, mbs: Sequence[dcp.schedule.MicroBatch], policy: dcp.RecomputePolicy | None = None) -> float:
         return sum(mb.sp_size * model.time([lengths[i] for i in mb.indices], mb.sp_size, policy or mb.recompute)
                    for mb in mbs)
 

@@ -1,6 +1,8 @@
-"""HTML reports: what DCP did to a model (:func:`save_model_report` of ``dcp.explain``'s record)
-and a step's plan as a timeline (:func:`plan_html`). Self-contained pages: inline CSS and JS,
-nothing fetched.
+"""``dcp.report``: what DCP did. HTML reports of a model (:func:`save_model_report` of
+``dcp.explain``'s record) and of a step's plan as a timeline (:func:`plan_html`), self-contained
+pages (inline CSS and JS, nothing fetched); :func:`recording` (a context manager that collects the
+record of the compiled graphs run inside it) and :func:`sharding_summary` (that record as text:
+how many graphs ran and why, what each sharded or gathered).
 
 Imports point one way: this package reads records and plans; the compiler never imports it
 (tests/test_import_graph.py), and this package imports neither the backend nor the scheduler.
@@ -8,7 +10,23 @@ Imports point one way: this package reads records and plans; the compiler never 
 
 from __future__ import annotations
 
+import importlib
+
 from dcp_compile.report.html_report import model_report_html, save_model_report
 from dcp_compile.report.plan_chart import plan_html, plan_svg
 
-__all__ = ["model_report_html", "plan_html", "plan_svg", "save_model_report"]
+# read from the compiler's records on first use (the compiler never imports this package)
+_EXPORTS = {
+    "recording": "dcp_compile.compiler.inspection",
+    "sharding_summary": "dcp_compile.compiler.sharding_summary",
+}
+
+__all__ = ["model_report_html", "plan_html", "plan_svg", "recording", "save_model_report", "sharding_summary"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dcp_compile.report' has no attribute {name!r}")

@@ -88,7 +88,7 @@ def prepare_model(accelerator: Any, model: torch.nn.Module, options: dict[str, A
     # placed, cast by the mixed-precision policy and registered for save_state / load_state.
     model = accelerator.prepare_model(model, evaluation_mode=True)
     model.train()
-    dcp.watch_parameters(model)  # parameters a graph break leaves in eager code: exact from step one
+    dcp.runtime.watch_parameters(model)  # parameters a graph break leaves in eager code: exact from step one
     compiled = torch.compile(model, backend="dcp", dynamic=True, options=dict(options or {}))
     return model, compiled
 

@@ -1,11 +1,11 @@
 """Training checkpoints through ``torch.distributed.checkpoint``: model, optimizer, sampler position.
 
-    dcp.save_checkpoint(dcp.checkpoint_path("checkpoints", step), model=model, optimizer=optimizer,
-                        batches=batches, step=step)
+    dcp.checkpoint.save_checkpoint(dcp.checkpoint.checkpoint_path("checkpoints", step), model=model,
+                                   optimizer=optimizer, batches=batches, step=step)
     ...
-    latest = dcp.latest_checkpoint("checkpoints")              # None on a first run
+    latest = dcp.checkpoint.latest_checkpoint("checkpoints")  # None on a first run
     if latest is not None:
-        step = dcp.load_checkpoint(latest, model=model, optimizer=optimizer, batches=batches).step
+        step = dcp.checkpoint.load_checkpoint(latest, model=model, optimizer=optimizer, batches=batches).step
 
 Two "DCP"s meet here. In this module *data-centric* is this library and the *distributed
 checkpoint* is PyTorch's ``torch.distributed.checkpoint`` (imported as ``torch_checkpoint``),
@@ -173,7 +173,7 @@ def save_checkpoint(
     if final.exists():
         raise FileExistsError(
             f"checkpoint {final} already exists; save each checkpoint to a new path "
-            "(dcp.checkpoint_path(directory, step) gives one per step) or delete the old one first"
+            "(dcp.checkpoint.checkpoint_path(directory, step) gives one per step) or delete the old one first"
         )
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     if _rank() == 0:
@@ -213,8 +213,8 @@ def load_checkpoint(
         partial = source.with_name(source.name + PARTIAL_SUFFIX)
         hint = (f"; {partial} exists: that save was interrupted and is not a checkpoint" if partial.exists() else "")
         raise FileNotFoundError(
-            f"no complete checkpoint at {source}{hint}; pass a directory written by dcp.save_checkpoint "
-            "(dcp.latest_checkpoint(directory) finds the newest one)"
+            f"no complete checkpoint at {source}{hint}; pass a directory written by dcp.checkpoint.save_checkpoint "
+            "(dcp.checkpoint.latest_checkpoint(directory) finds the newest one)"
         )
     _refuse_open_fsdp_step(model, "load")
     progress = _TrainingProgress()
@@ -243,7 +243,7 @@ def _state(
         state["batches"] = batches
     for name, value in (extra or {}).items():
         if name in state:
-            raise ValueError(f"extra state name {name!r} is taken by dcp.save_checkpoint; choose another name")
+            raise ValueError(f"extra state name {name!r} is taken by dcp.checkpoint.save_checkpoint; choose another name")
         state[name] = value
     return state
 

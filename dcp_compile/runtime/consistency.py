@@ -53,6 +53,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from dcp_compile.errors import DCPError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
@@ -61,15 +63,15 @@ _STORE_PREFIX = "dcp/fault/"
 _MASK = (1 << 62) - 1
 
 
-class RankMismatchError(RuntimeError):
+class RankMismatchError(DCPError, RuntimeError):
     """Ranks that must agree (an SP group on a call, the world on a step) did not."""
 
 
-class RankTimeoutError(RuntimeError):
+class RankTimeoutError(DCPError, RuntimeError):
     """A rank did not reach a consistency check in time (it runs something else, or it failed)."""
 
 
-class PeerFailureError(RuntimeError):
+class PeerFailureError(DCPError, RuntimeError):
     """Another rank failed, and this rank's collectives were cut short because of it."""
 
 

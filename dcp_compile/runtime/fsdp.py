@@ -289,12 +289,12 @@ def idle_round(model: nn.Module) -> None:
     root = _root(model)
     rounds = getattr(root, _ROUNDS, None)
     if rounds is None:
-        raise ValueError("dcp.idle_round is for a model sharded with dcp.shard_model(..., reshard_after_forward=True)")
+        raise ValueError("dcp.runtime.idle_round is for a model sharded with dcp.shard_model(..., reshard_after_forward=True)")
     if rounds.plan is None or not getattr(root, _STEP_OPEN, False):
-        raise RuntimeError("dcp.idle_round outside a step: call dcp.begin_step(model, step) first")
+        raise RuntimeError("dcp.runtime.idle_round outside a step: call dcp.begin_step(model, step) first")
     planned = _planned_rounds(rounds.plan)
     if rounds.next_round >= len(planned) or planned[rounds.next_round] is not None:
-        raise RuntimeError(f"dcp.idle_round: round {rounds.next_round} of this rank's plan is not an idle one "
+        raise RuntimeError(f"dcp.runtime.idle_round: round {rounds.next_round} of this rank's plan is not an idle one "
                            f"(the plan has {len(planned)} rounds)")
     _run_idle_round(root, rounds)
 

@@ -19,7 +19,7 @@ current backward will run them (an eager reference backward on the same model is
 One backward that mixes SP sizes (losses of micro-batches of different SP sizes summed before
 one ``backward``) cannot be split per micro-batch: the hook refuses it, naming the parameter.
 
-``dcp.watch_parameters(model)`` installs the same hooks explicitly (a model compiled as a function
+``dcp.runtime.watch_parameters(model)`` installs the same hooks explicitly (a model compiled as a function
 rather than called as a module), and ``dcp.sync_gradients`` does so too and, for a first step
 whose parameters were not hooked yet, divides the accumulated gradients at the sync.
 """
@@ -32,6 +32,8 @@ import weakref
 from typing import Any, Iterable
 
 import torch
+
+from dcp_compile.errors import DCPError
 
 # id -> weak reference (a WeakSet would compare tensors with ==, which is elementwise)
 _graph_parameters: dict[int, "weakref.ref[torch.nn.Parameter]"] = {}
@@ -137,7 +139,7 @@ def parameters_outside_graphs(named: Iterable[tuple[str, torch.nn.Parameter]]) -
     return [name for name, parameter in named if parameter.grad is not None and not _member(_graph_parameters, parameter)]
 
 
-class ParametersOutsideGraphs(RuntimeError):
+class ParametersOutsideGraphs(DCPError, RuntimeError):
     """Parameters got full gradients from eager code in a way that cannot be divided exactly:
     one backward over micro-batches of mixed SP sizes, or a step of mixed SP sizes before their
     gradient hooks were installed."""
@@ -207,7 +209,7 @@ def correct_parameters_outside_graphs(model: torch.nn.Module) -> list[str]:
             f"parameters {shown} got gradients from code outside the graphs the dcp backend compiled "
             f"(a Dynamo graph break left them in eager code) in a step that mixed SP sizes {sorted(sizes)}. "
             "Every rank of an SP group computes their full gradient, and this first step cannot be split "
-            "per micro-batch any more. Fix: call `dcp.watch_parameters(model)` once before training (it "
+            "per micro-batch any more. Fix: call `dcp.runtime.watch_parameters(model)` once before training (it "
             "divides each micro-batch's share as it arrives), or remove the graph break "
             "(`torch._dynamo.explain(model)(**inputs)` names it)."
         )

@@ -122,7 +122,7 @@ def sp_group(sp_size: int) -> SequenceParallelGroup:
         raise ValueError(
             f"dcp: no process groups exist for SP size {sp_size}. Groups are created when the dcp "
             f"backend compiles its first graph (every power of two up to the world, plus the buckets' "
-            f"sizes); for another size call dcp.create_sp_groups([{sp_size}]) on every rank right after "
+            f"sizes); for another size call dcp.runtime.create_sp_groups([{sp_size}]) on every rank right after "
             "torch.distributed.init_process_group"
         )
     if sp_size not in _groups:

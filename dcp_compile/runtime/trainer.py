@@ -138,7 +138,7 @@ class DataCentricTrainer(Trainer):
         if self.compiled_model is None:
             import dcp_compile as dcp
 
-            dcp.watch_parameters(self.model)  # graph breaks: exact from the first step (docs/limitations.md)
+            dcp.runtime.watch_parameters(self.model)  # graph breaks: exact from the first step (docs/limitations.md)
             self.compiled_model = torch.compile(self.model, backend="dcp", dynamic=True,
                                                 options=dict(self.dcp_args.compile_options))
         self.model_wrapped = self.compiled_model

@@ -12,6 +12,7 @@ coefficients, capacities) and never the planner itself, which drives the phases.
 
 from __future__ import annotations
 
+from dcp_compile.errors import DCPError
 from dcp_compile.variant import RECOMPUTE_POLICIES
 
 from .plan import Schedule, ScheduledMicroBatch
@@ -21,7 +22,7 @@ from .plan_tables import EPSILON, PlanTables
 PACKING_SCAN = 4  # micro-batches of a block tried when adding a sequence
 
 
-class PlanningError(ValueError):
+class PlanningError(DCPError, ValueError):
     """A step cannot be planned (a sequence fits nowhere)."""
 
 

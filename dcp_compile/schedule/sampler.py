@@ -28,6 +28,7 @@ from array import array
 from collections import Counter
 from typing import Any, Iterator, Sequence
 
+from dcp_compile.errors import DCPError
 from .cost_model import CostModel
 from .plan import StepPlan
 from .planner import Planner, PlannerConfig, PlanningError
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 _STATE_VERSION = 1
 
 
-class PlanMismatchError(RuntimeError):
+class PlanMismatchError(DCPError, RuntimeError):
     """Ranks derived different plans for the same step."""
 
 
@@ -206,7 +207,7 @@ class DataCentricSampler:
         The backend creates the groups when it compiles its first graph, but a rank whose first
         step holds no micro-batch compiles nothing then, and ``new_group`` must be called by every
         rank in the same order: creating them here (idempotent) saves the user a
-        ``dcp.create_sp_groups()`` line.
+        ``dcp.runtime.create_sp_groups()`` line.
         """
         self._check_world()
         import torch.distributed as dist

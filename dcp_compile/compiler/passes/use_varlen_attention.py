@@ -37,6 +37,7 @@ from dcp_compile.kernels import varlen_attention as _register_varlen_ops  # noqa
 from dcp_compile.kernels.attention_choice import TABLE_ENV, VarlenChoice, VarlenKernel, VarlenShape, \
     available_in_graph, choose_varlen_kernel
 from dcp_compile.kernels.dispatch import requested_backend
+from dcp_compile.errors import DCPError
 from dcp_compile.kernels.varlen_flex import document_mask_inputs, flex_document_attention_of_mask
 from dcp_compile.compiler.graph_capture import insert_traced, splice_traced
 from dcp_compile.compiler.passes.context import PassContext
@@ -47,7 +48,7 @@ VARLEN_ATTENTION = torch.ops.dcp.varlen_attention_fwd.default
 FLEX_ATTENTION = torch.ops.higher_order.flex_attention
 
 
-class CannotPack(ValueError):
+class CannotPack(DCPError, ValueError):
     """A packed micro-batch was asked for a graph whose attention cannot take sequence boundaries."""
 
 
