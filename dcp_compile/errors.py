@@ -11,13 +11,13 @@ one). Each also keeps the builtin base it had (``RuntimeError``, ``ValueError``,
 * :class:`CheckFailed` (``dcp.check``: the compiled model disagrees with eager);
 * :class:`CannotPack` (a packed micro-batch for a graph whose attention cannot take boundaries).
 
-This module imports nothing of the package: the classes load on first use from where they are
-raised, so ``import dcp_compile.errors`` stays light.
+This module imports nothing of the package but its lazy-export helper: the classes load on first
+use from where they are raised, so ``import dcp_compile.errors`` stays light.
 """
 
 from __future__ import annotations
 
-import importlib
+from dcp_compile.lazy_exports import lazy_getattr
 
 
 class DCPError(Exception):
@@ -40,12 +40,7 @@ _EXPORTS = {
 __all__ = sorted(["DCPError", *_EXPORTS])
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'dcp_compile.errors' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:

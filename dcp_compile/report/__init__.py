@@ -10,7 +10,7 @@ Imports point one way: this package reads records and plans; the compiler never 
 
 from __future__ import annotations
 
-import importlib
+from dcp_compile.lazy_exports import lazy_getattr
 
 from dcp_compile.report.html_report import model_report_html, save_model_report
 from dcp_compile.report.plan_chart import plan_html, plan_svg
@@ -24,9 +24,4 @@ _EXPORTS = {
 __all__ = ["model_report_html", "plan_html", "plan_svg", "recording", "save_model_report", "sharding_summary"]
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'dcp_compile.report' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

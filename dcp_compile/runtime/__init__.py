@@ -11,7 +11,7 @@ The names load on first use.
 
 from __future__ import annotations
 
-import importlib
+from dcp_compile.lazy_exports import lazy_getattr
 
 # name -> module that defines it (loaded by ``__getattr__`` on first access)
 _EXPORTS = {
@@ -28,13 +28,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'dcp_compile.runtime' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:
-    return sorted({*__all__, *(name for name in globals() if not name.startswith("_") and name not in ("annotations", "importlib"))})
+    return sorted({*__all__, *(name for name in globals() if not name.startswith("_") and name not in ("annotations", "lazy_getattr"))})
