@@ -4,19 +4,15 @@ code cache, compiled by an earlier variant): the measure of compiled code shared
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+
+from benchmark_scripts import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_time.py"
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("compile_time_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("compile_time")
 
 
 def _caches(misses: int) -> dict[str, int]:

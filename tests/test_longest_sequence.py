@@ -6,7 +6,6 @@ end to end (slow: it compiles a Llama variant)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,17 +17,14 @@ import torch
 
 from dcp_compile.schedule.cost_model import CostModel
 from dcp_compile.schedule.hardware import Hardware
+from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "longest_sequence.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("longest_sequence_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("longest_sequence")
 
 
 ls = _script()

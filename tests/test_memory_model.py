@@ -7,8 +7,6 @@ the peak resident set of one forward + backward on CPU) against the model's pred
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from dcp_compile.schedule.model_profile import ModelProfile
 from dcp_compile.schedule.presets import preset_shape
 from dcp_compile.tiled_loss import default_chunk_tokens
 from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, Variant, checkpoints_whole_blocks
+from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -259,11 +258,7 @@ def test_presets_carry_the_memory_the_device_reports() -> None:
 
 # --------------------------------------------------------------------------- measured
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("memory_peaks_benchmark", ROOT / "benchmarks" / "memory_peaks.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("memory_peaks")
 
 
 @pytest.mark.slow

@@ -10,8 +10,6 @@ whole. The slow test measures one regional point (``benchmarks/memory_peaks.py -
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from dcp_compile.schedule.hardware import Hardware
 from dcp_compile.schedule.model_profile import ModelProfile
 from dcp_compile.schedule.presets import TARGET_BYTES
 from dcp_compile.variant import REGION_CHECKPOINTED_POLICIES, RECOMPUTE_POLICIES, RecomputePolicy
+from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -137,11 +136,7 @@ def test_profile_with_regions_returns_a_cost_model_that_prices_them() -> None:
 
 # --------------------------------------------------------------------------- measured
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("memory_peaks_benchmark", ROOT / "benchmarks" / "memory_peaks.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("memory_peaks")
 
 
 @pytest.mark.slow

@@ -3,23 +3,19 @@ profile, the three schedules, the timed steps), and the page it writes has what 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
+
+from benchmark_scripts import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "single_gpu.py"
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("single_gpu_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("single_gpu")
 
 
 @pytest.mark.slow
