@@ -161,8 +161,11 @@ class Dispatcher:
         def run() -> Any:
             return compiled(*args, *(graph_input.provide() for graph_input in added)) if added else compiled(*args)
 
-        # the rank check issued beside this call is compared by its end
-        with SettledAfterCall(pending), self.regions_reported(variant, scalars, variant_record):
+        # the rank check issued beside this call is compared by its end; a regional variant's call
+        # reports the regions it compiled (a whole-graph call skips that bookkeeping)
+        reporting = (self.regions_reported(variant, scalars, variant_record) if variant_record.compiled_in_regions
+                     else contextlib.nullcontext())
+        with SettledAfterCall(pending), reporting:
             if self.options.check and not variant.packed and (variant, scalars) not in self.checked:
                 self.checked.add((variant, scalars))
                 group = sp_group(variant.sp_size).process_group if variant.sp_size > 1 else None
@@ -199,9 +202,6 @@ class Dispatcher:
                          variant_record: VariantRecord) -> Iterator[None]:
         """Around a call of a variant compiled in regions: its first call beats while regions compile
         and then logs the variant's line with them; a later call that compiles regions says so."""
-        if not variant_record.compiled_in_regions:
-            yield
-            return
         first = (variant, scalars) in self.unreported
         before = dataclasses.replace(variant_record.region_compiles)
         what = f"graph {self.record.graph_id} variant {variant}"

@@ -201,23 +201,11 @@ def _token_dimension(match: MLPMatch, ctx: PassContext) -> None:
                        f"sequence (length {length}): not over the tokens")
 
 
-def sequence_long_refusals(gm: fx.GraphModule, refused: list[tuple[str, str]], ctx: PassContext) -> list[tuple[str, str]]:
-    """Those of ``refused`` whose activation is over the sequence's tokens: the MLPs the memory
-    model priced tiled that keep their ffn-wide tensors whole."""
-    nodes = {node.name: node for node in gm.graph.nodes}
-    long = []
-    for name, why in refused:
-        value = traced_value(nodes[name.split(" ", 1)[0]]) if name.split(" ", 1)[0] in nodes else None
-        if isinstance(value, torch.Tensor) and _over_tokens(value, ctx):
-            long.append((name, why))
-    return long
-
-
-def find_mlps(gm: fx.GraphModule, ctx: PassContext | None = None) -> tuple[list[MLPMatch], list[tuple[str, str]]]:
-    """The graph's MLPs: those that match exactly, and ``(activation node, why not)`` for every
-    other activation of a ``linear``. Without ``ctx`` the token dimension is not checked."""
+def _scan(gm: fx.GraphModule, ctx: PassContext | None) -> tuple[list[MLPMatch], list[tuple[fx.Node, str]]]:
+    """The graph's MLPs that match exactly, and ``(activation node, why not)`` for every other
+    activation of a ``linear``. Without ``ctx`` the token dimension is not checked."""
     matches: list[MLPMatch] = []
-    refused: list[tuple[str, str]] = []
+    refused: list[tuple[fx.Node, str]] = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in ACTIVATION_TARGETS or not _is_linear(node.args[0]):
             continue
@@ -227,8 +215,19 @@ def find_mlps(gm: fx.GraphModule, ctx: PassContext | None = None) -> tuple[list[
                 _token_dimension(match, ctx)
             matches.append(match)
         except NotTiled as why:
-            refused.append((f"{node.name} ({module_path(node)})", str(why)))
+            refused.append((node, str(why)))
     return matches, refused
+
+
+def _where(node: fx.Node) -> str:
+    return f"{node.name} ({module_path(node)})"
+
+
+def find_mlps(gm: fx.GraphModule, ctx: PassContext | None = None) -> tuple[list[MLPMatch], list[tuple[str, str]]]:
+    """The graph's MLPs: those that match exactly, and ``(activation node, why not)`` for every
+    other activation of a ``linear``. Without ``ctx`` the token dimension is not checked."""
+    matches, refused = _scan(gm, ctx)
+    return matches, [(_where(node), why) for node, why in refused]
 
 
 def _chunk(match: MLPMatch, ctx: PassContext) -> int:
@@ -255,19 +254,20 @@ def _tiled_mlp_function(match: MLPMatch, chunk: int):
 def tile_mlp_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not tiles_mlp(ctx.recompute):
         return gm
-    matches, refused = find_mlps(gm, ctx)
+    matches, refused = _scan(gm, ctx)
     record = ctx.variant_record
     if record is not None:
-        record.untiled_mlps.extend(refused)
-    for name, why in refused:
-        log.info("dcp: MLP at %s not tiled: %s", name, why)
-    for name, why in sequence_long_refusals(gm, refused, ctx):
-        # The memory model priced this variant with every MLP tiled: a refused one keeps its
-        # ffn-wide tensors, so the planner may place more tokens here than fit.
+        record.untiled_mlps.extend((_where(node), why) for node, why in refused)
+    for node, why in refused:
+        if not _over_tokens(traced_value(node), ctx):
+            log.info("dcp: MLP at %s not tiled: %s", _where(node), why)
+            continue
+        # The memory model priced this variant with every MLP over the tokens tiled: a refused one
+        # keeps its ffn-wide tensors, so the planner may place more tokens here than fit.
         log.warning("dcp: under recompute=%s the MLP at %s is not tiled (%s): its ffn-wide activations are whole, "
                     "more than the memory model priced; plan with recompute_policies that leave out 'lean', or "
                     "write the MLP as up/gate projections, activation, down projection so the pass finds it",
-                    ctx.recompute.value, name, why)
+                    ctx.recompute.value, _where(node), why)
     for match in matches:
         chunk = _chunk(match, ctx)
         ffn = int(traced_value(match.up.args[1]).shape[0])
