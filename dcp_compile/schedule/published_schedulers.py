@@ -551,11 +551,11 @@ class DCPInterScheduler(_RoundScheduler):
         best_penalty = math.inf
         inner = torch.tensor(list(times), dtype=torch.float64)
         for outer in times:
-            targets = [outer * multiple for multiple in range(1, int(limit / outer) + 1)]
-            cut = next((i for i, target in enumerate(targets) if target > limit), len(targets))
-            if cut == 0:
+            targets = outer * torch.arange(1, int(limit / outer) + 1, dtype=torch.float64)
+            targets = targets[: int((targets <= limit).cumprod(0).sum())]  # the loops stop at the first over
+            if not len(targets):
                 continue
-            counts, scores = _best_counts(torch.tensor(targets[:cut], dtype=torch.float64), inner, limit)
+            counts, scores = _best_counts(targets, inner, limit)
             penalty = torch.cumsum(scores, dim=0)[-1]  # summed group by group from 0.0, as the loops add
             index = int(torch.argmin(penalty))  # the first of equal penalties, as the loops keep it
             if float(penalty[index]) < best_penalty:
