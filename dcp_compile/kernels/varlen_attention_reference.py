@@ -1,7 +1,7 @@
 """Plain-torch varlen attention: the CPU implementation and the math the Triton kernels follow.
 
 One dense attention per packed sequence, computed in fp32 (or fp64 for fp64 inputs) and cast
-back. The backward is written out (not autograd) with the same quantities the FlashAttention-2
+back, in blocks of query rows (a causal block skips the keys after its last query). The backward is written out (not autograd) with the same quantities the FlashAttention-2
 backward uses: ``P = exp(S - lse)``, ``delta = rowsum(dO * O)``, ``dS = P * (dP - delta)``.
 """
 
@@ -16,12 +16,6 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, allowed: torch.Tensor | None) -> torch.Tensor:
-    """Scaled scores ``[Hq, L, L]`` for one range; k already expanded to the query heads."""
-    s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
-
-
 def _bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     cu = cu_seqlens.tolist()
     return [(cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
@@ -33,18 +27,43 @@ def _ranges(cu_seqlens: torch.Tensor, total: int) -> tuple[list[tuple[int, int]]
     return dense_ranges(_bounds(cu_seqlens), total)
 
 
-def _allowed(cu_seqlens: torch.Tensor | None, length: int, causal: bool, device: torch.device) -> torch.Tensor | None:
-    """``[L, L]``: which keys each query may see; ``cu_seqlens`` given when the range is the whole
-    packed row (then only keys of the query's own sequence)."""
+SCORE_BLOCK = 1 << 18  # scores per query block: 1 MiB in fp32, so a block's temporaries stay in cache
+
+
+def _block_rows(heads: int, keys: int) -> int:
+    """Query rows per block. Scores of the whole range at once (``[heads, L, L]``) leave the CPU's
+    caches past ~1K tokens and made the kernel's time grow faster than ``L^2``, which the cost
+    model's ``fixed + tokens + L^2`` fit cannot follow; they were also CPU memory no model priced."""
+    return max(16, SCORE_BLOCK // max(1, heads * keys))
+
+
+def _sequence_ids(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=device, dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+
+
+def _blocks(length: int, heads: int, causal: bool):
+    """(first query, end query, end key) per block: a causal block sees no key past its last query."""
+    rows = _block_rows(heads, length)
+    for first in range(0, length, rows):
+        end = min(length, first + rows)
+        yield first, end, end if causal else length
+
+
+def _block_scores(q: torch.Tensor, k: torch.Tensor, scale: float, sequence: torch.Tensor | None,
+                  first: int, causal: bool) -> torch.Tensor:
+    """Scaled, masked scores ``[Hq, rows, keys]`` of queries ``first..`` against keys ``0..``; k
+    already expanded to the query heads. ``sequence`` (token -> sequence id) is given when the range
+    is the whole packed row, so a query sees only keys of its own sequence."""
+    rows, keys = q.shape[0], k.shape[0]
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
     mask = None
-    if cu_seqlens is not None:
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=device, dtype=torch.long)
-        sequence = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-        mask = sequence[:, None] == sequence[None, :]
+    if sequence is not None:
+        mask = sequence[first:first + rows, None] == sequence[None, :keys]
     if causal:
-        past = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        past = torch.arange(first, first + rows, device=q.device)[:, None] >= torch.arange(keys, device=q.device)
         mask = past if mask is None else mask & past
-    return mask
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
 def attention_forward(
@@ -58,15 +77,17 @@ def attention_forward(
     out = torch.zeros(q.shape, dtype=ct, device=q.device)
     lse = torch.full((hq, total), float("-inf"), dtype=torch.float32, device=q.device)
     ranges, whole_row = _ranges(cu_seqlens, total)
+    sequence = _sequence_ids(cu_seqlens, q.device) if whole_row else None
     for start, end in ranges:
         qs = q[start:end].to(ct)
         ks = k[start:end].to(ct).repeat_interleave(group, dim=1)
         vs = v[start:end].to(ct).repeat_interleave(group, dim=1)
-        s = _scores(qs, ks, scale, _allowed(cu_seqlens if whole_row else None, end - start, causal, q.device))
-        row_lse = torch.logsumexp(s, dim=-1)  # [Hq, L]
-        p = torch.exp(s - row_lse[..., None])
-        out[start:end] = torch.einsum("hqk,khd->qhd", p, vs)
-        lse[:, start:end] = row_lse.to(torch.float32)
+        for first, last, keys in _blocks(end - start, hq, causal):
+            s = _block_scores(qs[first:last], ks[:keys], scale, sequence, first, causal)
+            row_lse = torch.logsumexp(s, dim=-1)  # [Hq, rows]
+            p = torch.exp(s - row_lse[..., None])
+            out[start + first:start + last] = torch.einsum("hqk,khd->qhd", p, vs[:keys])
+            lse[:, start + first:start + last] = row_lse.to(torch.float32)
     return out.to(q.dtype), lse
 
 
@@ -84,20 +105,25 @@ def attention_backward(
     dk = torch.zeros(k.shape, dtype=ct, device=q.device)
     dv = torch.zeros(v.shape, dtype=ct, device=q.device)
     ranges, whole_row = _ranges(cu_seqlens, q.shape[0])
+    sequence = _sequence_ids(cu_seqlens, q.device) if whole_row else None
     for start, end in ranges:
         length = end - start
         qs = q[start:end].to(ct)
         ks = k[start:end].to(ct).repeat_interleave(group, dim=1)
         vs = v[start:end].to(ct).repeat_interleave(group, dim=1)
         dos = grad_out[start:end].to(ct)
-        allowed = _allowed(cu_seqlens if whole_row else None, length, causal, q.device)
-        p = torch.exp(_scores(qs, ks, scale, allowed) - lse[:, start:end].to(ct)[..., None])
+        row_lse = lse[:, start:end].to(ct)
         delta = (dos * out[start:end].to(ct)).sum(-1).transpose(0, 1)  # [Hq, L]
-        dp = torch.einsum("qhd,khd->hqk", dos, vs)
-        ds = p * (dp - delta[..., None])
-        dq[start:end] = torch.einsum("hqk,khd->qhd", ds, ks) * scale
-        dk_full = torch.einsum("hqk,qhd->khd", ds, qs) * scale
-        dv_full = torch.einsum("hqk,qhd->khd", p, dos)
-        dk[start:end] = dk_full.view(length, hkv, group, dim).sum(2)
+        dk_full = torch.zeros(length, hq, dim, dtype=ct, device=q.device)
+        dv_full = torch.zeros(length, hq, dim, dtype=ct, device=q.device)
+        for first, last, keys in _blocks(length, hq, causal):
+            s = _block_scores(qs[first:last], ks[:keys], scale, sequence, first, causal)
+            p = torch.exp(s - row_lse[:, first:last, None])
+            dp = torch.einsum("qhd,khd->hqk", dos[first:last], vs[:keys])
+            ds = p * (dp - delta[:, first:last, None])
+            dq[start + first:start + last] = torch.einsum("hqk,khd->qhd", ds, ks[:keys]) * scale
+            dk_full[:keys] += torch.einsum("hqk,qhd->khd", ds, qs[first:last])
+            dv_full[:keys] += torch.einsum("hqk,qhd->khd", p, dos[first:last])
+        dk[start:end] = (dk_full * scale).view(length, hkv, group, dim).sum(2)
         dv[start:end] = dv_full.view(length, hkv, group, dim).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

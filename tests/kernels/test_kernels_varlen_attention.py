@@ -131,6 +131,19 @@ def test_reference_both_strategies(monkeypatch: pytest.MonkeyPatch, lengths) -> 
     check_against_sdpa(lengths, 2, 2, 8, torch.float32, False, torch.device("cpu"), seed=1)
 
 
+@pytest.mark.parametrize("lengths", [[400, 200], [300] * 3], ids=["one-pass", "per-sequence"])
+def test_reference_in_query_blocks(monkeypatch: pytest.MonkeyPatch, lengths) -> None:
+    """Ranges whose scores exceed one block run in several query blocks (a causal one stops at its
+    last query's key): the same numbers as SDPA, both strategies, GQA."""
+    from dcp_compile.kernels import varlen_attention_reference as reference
+
+    for start, end in reference._ranges(cu_from_lengths(lengths, torch.device("cpu")), sum(lengths))[0]:
+        assert len(list(reference._blocks(end - start, 8, causal=True))) > 1
+    monkeypatch.setenv("DCP_KERNELS", "torch")
+    check_against_sdpa(lengths, 8, 2, 8, torch.float32, True, torch.device("cpu"))
+    check_against_sdpa(lengths, 8, 2, 8, torch.float32, False, torch.device("cpu"), seed=1)
+
+
 def test_strided_inputs_and_empty_sequence(device) -> None:
     """q, k, v as views of one packed qkv projection, and a zero-length sequence in cu_seqlens."""
     gen = torch.Generator().manual_seed(3)
