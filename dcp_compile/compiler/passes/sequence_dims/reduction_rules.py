@@ -19,7 +19,8 @@ REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.
               aten.var.correction, aten.std.correction, aten.logsumexp.default, aten.any.dim,
               aten.all.dim, aten.norm.ScalarOpt_dim, aten.var.dim, aten.std.dim, aten.any.dims,
               aten.all.dims, aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default}
-FULL_REDUCTIONS = {aten.sum.default, aten.mean.default, aten.amax.default}
+# amax.default (dim=[] reduces every dimension) is a REDUCTION: reduction_rule reads its dims.
+FULL_REDUCTIONS = {aten.sum.default, aten.mean.default}
 LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default,
           aten.nll_loss2d.default}
 
@@ -67,8 +68,6 @@ def reduction_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 @rule(*FULL_REDUCTIONS)
 def full_reduction_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
-    if node.target is aten.amax.default:
-        return reduction_rule(node, analysis)
     source = node.args[0]
     seq = single(analysis.dims_of(source))
     rewrite = Rewrite.SUM_OVER_SEQUENCE if seq is not None and not seq.joint else None

@@ -77,9 +77,14 @@ STAGE_RULES: dict[Stage, StageRule] = {}
 
 
 def rule(*targets: Any) -> Callable[[Rule], Rule]:
-    """Register ``function`` as the rule of each op in ``targets``."""
+    """Register ``function`` as the rule of each op in ``targets``. An op has one rule: a second
+    registration raises (as ``lowering`` does) instead of silently replacing the first."""
 
     def register(function: Rule) -> Rule:
+        for target in targets:
+            if target in RULES:
+                raise ValueError(f"two sequence rules registered for {target}: {RULES[target].__name__} and "
+                                 f"{function.__name__}")
         for target in targets:
             RULES[target] = function
         return function
@@ -91,6 +96,8 @@ def stage_rule(stage: Stage) -> Callable[[StageRule], StageRule]:
     """Register ``function`` as the rule of a link of the precedence chain."""
 
     def register(function: StageRule) -> StageRule:
+        if stage in STAGE_RULES:
+            raise ValueError(f"two rules registered for {stage}: {STAGE_RULES[stage].__name__} and {function.__name__}")
         STAGE_RULES[stage] = function
         return function
 
