@@ -42,8 +42,6 @@ log = logging.getLogger(__name__)
 
 MAX_DEPTH = 3  # decompositions of decompositions: isclose -> its ops; prelu -> _prelu_kernel -> where
 SIZE_USES = VIEWS | {aten.expand.default, aten.sym_size.int}  # a length read as a view's size is consistent on a chunk
-_depth = 0
-_cache: dict[Any, "NodeRole | str"] = {}
 
 
 class Refused(Exception):
@@ -62,31 +60,36 @@ def decomposition_of(target: Any) -> Callable[..., Any] | None:
 @stage_rule(Stage.DECOMPOSITION)
 def decomposition_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole | None:
     """Token-local where the op's decomposition proves it; None where the op has no decomposition;
-    sequence-mixing (with what the decomposition does) otherwise."""
-    global _depth
+    sequence-mixing (with what the decomposition does) otherwise. The analysis of a
+    decomposition is nested one level deeper than ``analysis``; past ``MAX_DEPTH`` none is read.
+    What a decomposition proves is memoised on ``analysis.decompositions``, keyed by all it reads
+    (the depth included: a deeper read may stop sooner)."""
     function = decomposition_of(node.target)
-    if function is None or _depth >= MAX_DEPTH:
+    if function is None or analysis.depth >= MAX_DEPTH:
         return None
     try:
-        key = _cache_key(node, analysis)
+        key = (analysis.depth, _cache_key(node, analysis))
     except Refused as why:
         return NodeRole(Role.MIXING, (), (), f"no sharding rule for {op_name(node)} ({why})")
-    if key not in _cache:
-        _depth += 1
-        try:
-            _cache[key] = _classify_decomposition(node, analysis, function)
-        except Refused as why:
-            _cache[key] = str(why)
-        except Exception as error:  # noqa: BLE001 - a decomposition that does not trace proves nothing
-            log.debug("dcp: decomposition of %s does not trace: %s", node.target, error, exc_info=True)
-            _cache[key] = f"does not trace ({type(error).__name__})"
-        finally:
-            _depth -= 1
-    found = _cache[key]
+    memo = analysis.decompositions.found
+    if key not in memo:
+        memo[key] = _decompose(node, analysis, function)
+    found = memo[key]
     if isinstance(found, str):
         return NodeRole(Role.MIXING, (), (), f"no sharding rule for {op_name(node)}; its decomposition {found}")
     aligned = tuple(sequence_inputs(node, analysis))
     return NodeRole(Role.TOKEN_LOCAL, found.sequence_dims, aligned, found.reason, element_dims=found.element_dims)
+
+
+def _decompose(node: fx.Node, analysis: SequenceAnalysis, function: Callable[..., Any]) -> "NodeRole | str":
+    """The role the decomposition proves, or why it proves none."""
+    try:
+        return _classify_decomposition(node, analysis, function)
+    except Refused as why:
+        return str(why)
+    except Exception as error:  # noqa: BLE001 - a decomposition that does not trace proves nothing
+        log.debug("dcp: decomposition of %s does not trace: %s", node.target, error, exc_info=True)
+        return f"does not trace ({type(error).__name__})"
 
 
 def _operands(node: fx.Node) -> tuple[list[Any], Any]:
@@ -159,7 +162,8 @@ def _classify_decomposition(node: fx.Node, analysis: SequenceAnalysis, function:
     with fake_mode:
         traced = make_fx(torch.func.functionalize(run), record_module_stack=False)(*[fakes[p] for p in positions])
     placeholders = list(traced.graph.find_nodes(op="placeholder"))
-    inner = SequenceAnalysis(length=expression(length), graph=fx_to_networkx(traced.graph))
+    inner = SequenceAnalysis(length=expression(length), graph=fx_to_networkx(traced.graph), depth=analysis.depth + 1,
+                             decompositions=analysis.decompositions)
     for placeholder, position in zip(placeholders, positions):
         dims = analysis.dims_of(_operands(node)[0][position])
         inner.roles[placeholder] = NodeRole(Role.SOURCE, dims) if dims else NodeRole(Role.NONE)

@@ -182,6 +182,16 @@ class DispatchRefused(Exception):
 
 
 @dataclass
+class Decompositions:
+    """What the decomposition rule found per op and operand layout (see ``decomposition_rules``):
+    a memo of a pure function of its key, so one analysis traces each decomposition once. Shared
+    by the attempts of one analysis and the analyses of decompositions nested in it; never by two
+    graphs' analyses (no module state)."""
+
+    found: dict[Any, "NodeRole | str"] = field(default_factory=dict)
+
+
+@dataclass
 class SequenceAnalysis:
     length: Any  # sympy expression of the attention length, or None when there is no attention
     roles: dict[fx.Node, NodeRole] = field(default_factory=dict)
@@ -205,6 +215,10 @@ class SequenceAnalysis:
     # Token sorts that run on the gathered tokens instead of the rank's own, with why (see
     # DispatchRefused): the dispatch downstream of them is whole on every rank.
     refused_dispatches: dict[fx.Node, str] = field(default_factory=dict)
+    # Decompositions this analysis is nested in (0 for a graph's; see decomposition_rules), and
+    # the memo of what their rule found.
+    depth: int = 0
+    decompositions: Decompositions = field(default_factory=Decompositions)
 
     def dims_of(self, node: Any, index: int | None = None) -> tuple[SequenceDim, ...]:
         role = self.roles.get(node) if isinstance(node, fx.Node) else None

@@ -24,7 +24,7 @@ import torch.fx as fx
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import AttentionSite
 from dcp_compile.compiler.passes.sequence_dims.model import (
-    INHERIT, DispatchRefused, GridRegionRefused, NodeRole, Role, SequenceAnalysis, TokenOrder, fx_to_networkx,
+    INHERIT, Decompositions, DispatchRefused, GridRegionRefused, NodeRole, Role, SequenceAnalysis, TokenOrder, fx_to_networkx,
 )
 from dcp_compile.compiler.passes.sequence_dims.registry import classify, mixing, record_partners
 from dcp_compile.compiler.passes.sequence_dims.symbolic import (
@@ -103,6 +103,7 @@ def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite],
     refused: dict[fx.Node, str] = {}
     written: dict[fx.Node, str] = {}
     dispatches: dict[fx.Node, str] = {}
+    decompositions = Decompositions()  # what each decomposition proves does not change between attempts
     while True:
         # A grid region found to read a sequence-indexed value from outside only once the
         # propagation reaches that member is refused, and the analysis starts over without it.
@@ -111,7 +112,8 @@ def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite],
         try:
             analysis = propagate(sites, SequenceAnalysis(length=length, graph=graph, parameters=parameters,
                                                          refused_grids=dict(refused), written_aliases=dict(written),
-                                                         refused_dispatches=dict(dispatches)))
+                                                         refused_dispatches=dict(dispatches),
+                                                         decompositions=decompositions))
         except GridRegionRefused as refusal:
             refused[refusal.entry] = refusal.reason
             log.info("dcp: %s gathers: no grid window: %s", refusal.entry.name, refusal.reason)
