@@ -3,7 +3,8 @@
 Laid out as PyTorch's DTensor op rules are (``torch/distributed/tensor/_ops/``):
 
 * ``model``: the data (``SequenceDim``, the ``Role`` and ``Rewrite`` enums, the ``NodeRole``
-  record, ``SequenceAnalysis``);
+  record with the ``Findings`` a rule reports, ``SequenceAnalysis`` and the read-only view of it
+  every rule gets, ``Refusal``);
 * ``symbolic``: sympy size arithmetic (``equal``, ``divides``, ``map_through_view``);
 * ``registry``: ``@rule`` / ``@stage_rule`` registration and ``classify``, the precedence chain
   written down in one place, with the elementwise and source fallbacks it needs;
@@ -14,7 +15,10 @@ Laid out as PyTorch's DTensor op rules are (``torch/distributed/tensor/_ops/``):
   and resampling along their batch and channel dimensions), ``schema_reductions`` (any reduction,
   read off its schema and shapes), ``decomposition_rules`` (any op torch can decompose, read
   through its decomposition), ``inplace_writes`` (buffers written in place: default deny);
-* ``propagation``: the driver (attention length, then roles in topological order) and the pass.
+* ``propagation``: the driver (attention length, then attempts that classify every node in
+  topological order, recording what the rules found, until one refuses nothing) and the pass.
+
+Rules are pure: ``(node, read-only view) -> NodeRole``, no writes, no module state.
 
 Every node gets a role (see ``Role``): a *source* creates a sequence dimension, *token-local* ops
 run on a chunk, *attention* runs under Ulysses, *sequence-mixing* ops are gathered unless a
@@ -28,7 +32,8 @@ from dcp_compile.compiler.passes.sequence_dims import (  # noqa: F401  (each reg
     schema_reductions, spatial_rules, token_sets, view_rules,
 )
 from dcp_compile.compiler.passes.sequence_dims.model import (
-    GridRegion, NodeRole, Rewrite, Role, SequenceAnalysis, SequenceDim, TokenPositions,
+    AnalysisView, Findings, GridRegion, NodeRole, ReadOnlyAnalysis, Refusal, RefusalKind, Rewrite, Role,
+    SequenceAnalysis, SequenceDim, TokenPositions, read_only,
 )
 from dcp_compile.compiler.passes.sequence_dims.propagation import (
     analyze_sequence_dims, long_segment_of, sequence_dims_pass, sequence_length_of,
@@ -37,7 +42,8 @@ from dcp_compile.compiler.passes.sequence_dims.registry import RULES, VIEWS, cla
 from dcp_compile.compiler.passes.sequence_dims.symbolic import expression, map_through_view, shape_of
 
 __all__ = [
-    "RULES", "VIEWS", "GridRegion", "NodeRole", "Rewrite", "Role", "SequenceAnalysis", "SequenceDim",
-    "TokenPositions", "analyze_sequence_dims", "classify", "expression", "long_segment_of", "map_through_view",
-    "sequence_dims_pass", "sequence_length_of", "shape_of",
+    "RULES", "VIEWS", "AnalysisView", "Findings", "GridRegion", "NodeRole", "ReadOnlyAnalysis", "Refusal",
+    "RefusalKind", "Rewrite", "Role", "SequenceAnalysis", "SequenceDim", "TokenPositions", "analyze_sequence_dims",
+    "classify", "expression", "long_segment_of", "map_through_view", "read_only", "sequence_dims_pass",
+    "sequence_length_of", "shape_of",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from dcp_compile.compiler.passes.find_attention import SDPA, sdpa_argument
-from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Rewrite, Role, SequenceAnalysis, SequenceDim
+from dcp_compile.compiler.passes.sequence_dims.model import AnalysisView, NodeRole, Rewrite, Role, SequenceDim
 from dcp_compile.compiler.passes.sequence_dims.registry import (
     Stage, mixing, rule, sequence_inputs, single, stage_rule,
 )
@@ -18,7 +18,7 @@ from dcp_compile.compiler.passes.sequence_dims.symbolic import equal, shape_of, 
 
 
 @rule(SDPA)
-def attention_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def attention_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     if not sequence_inputs(node, analysis):
         return NodeRole(Role.NONE)  # over another sequence (an audio stream, text): it mixes no token of ours
     query, key, value = node.args[:3]
@@ -48,7 +48,7 @@ def attention_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     return NodeRole(Role.ATTENTION, (seq,), tuple(aligned))
 
 
-def replicated_query_attention(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole | None:
+def replicated_query_attention(node: fx.Node, analysis: AnalysisView) -> NodeRole | None:
     """Queries of another, replicated stream (LTX-2's audio tokens) attending over the sharded
     tokens: the keys and values go to the rank's heads through the usual all-to-all, the
     queries are cut to the same heads locally, and the output, whole over its own (short)
@@ -62,13 +62,13 @@ def replicated_query_attention(node: fx.Node, analysis: SequenceAnalysis) -> Nod
                   rewrite=Rewrite.REPLICATED_QUERY_ATTENTION, aligned=(key, value))
 
 
-def shared_sequence_dim(key: fx.Node, value: fx.Node, analysis: SequenceAnalysis) -> SequenceDim | None:
+def shared_sequence_dim(key: fx.Node, value: fx.Node, analysis: AnalysisView) -> SequenceDim | None:
     """The one sequence dimension keys and values share, if they do."""
     dims = {single(analysis.dims_of(other)) for other in (key, value)}
     return dims.pop() if len(dims) == 1 else None
 
 
-def rank_local_attention(node: fx.Node, analysis: SequenceAnalysis, seq: SequenceDim) -> NodeRole:
+def rank_local_attention(node: fx.Node, analysis: AnalysisView, seq: SequenceDim) -> NodeRole:
     """Attention whose batch (or head) dimension holds the sharded tokens: temporal attention over
     the frames of each spatial position when a video model's spatial tokens are sharded. Every
     rank attends over its own positions' frames: it runs on the chunk with no collective at all."""
@@ -92,7 +92,7 @@ def rank_local_attention(node: fx.Node, analysis: SequenceAnalysis, seq: Sequenc
 
 
 @stage_rule(Stage.ATTENTION_REGION)
-def region_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def region_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """The output of a hand-written attention region: attention over q, k, v like SDPA's."""
     site = analysis.regions[node]
     seq = single(analysis.dims_of(site.query))

@@ -31,9 +31,11 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Role, SequenceAnalysis, fx_to_networkx
+from dcp_compile.compiler.passes.sequence_dims.model import (
+    AnalysisView, NodeRole, Role, SequenceAnalysis, fx_to_networkx,
+)
 from dcp_compile.compiler.passes.sequence_dims.registry import (
-    VIEWS, Stage, classify, op_name, record_partners, sequence_inputs, stage_rule,
+    VIEWS, Stage, classify, op_name, record_findings, sequence_inputs, stage_rule,
 )
 from dcp_compile.compiler.passes.sequence_dims.symbolic import equal, expression, shape_of, traced_size, value_of
 
@@ -58,7 +60,7 @@ def decomposition_of(target: Any) -> Callable[..., Any] | None:
 
 
 @stage_rule(Stage.DECOMPOSITION)
-def decomposition_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole | None:
+def decomposition_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole | None:
     """Token-local where the op's decomposition proves it; None where the op has no decomposition;
     sequence-mixing (with what the decomposition does) otherwise. The analysis of a
     decomposition is nested one level deeper than ``analysis``; past ``MAX_DEPTH`` none is read.
@@ -71,17 +73,14 @@ def decomposition_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole | 
         key = (analysis.depth, _cache_key(node, analysis))
     except Refused as why:
         return NodeRole(Role.MIXING, (), (), f"no sharding rule for {op_name(node)} ({why})")
-    memo = analysis.decompositions.found
-    if key not in memo:
-        memo[key] = _decompose(node, analysis, function)
-    found = memo[key]
+    found = analysis.decompositions.get(key, lambda: _decompose(node, analysis, function))
     if isinstance(found, str):
         return NodeRole(Role.MIXING, (), (), f"no sharding rule for {op_name(node)}; its decomposition {found}")
     aligned = tuple(sequence_inputs(node, analysis))
     return NodeRole(Role.TOKEN_LOCAL, found.sequence_dims, aligned, found.reason, element_dims=found.element_dims)
 
 
-def _decompose(node: fx.Node, analysis: SequenceAnalysis, function: Callable[..., Any]) -> "NodeRole | str":
+def _decompose(node: fx.Node, analysis: AnalysisView, function: Callable[..., Any]) -> "NodeRole | str":
     """The role the decomposition proves, or why it proves none."""
     try:
         return _classify_decomposition(node, analysis, function)
@@ -96,7 +95,7 @@ def _operands(node: fx.Node) -> tuple[list[Any], Any]:
     return tree_flatten((tuple(node.args), dict(node.kwargs)))
 
 
-def _cache_key(node: fx.Node, analysis: SequenceAnalysis) -> Any:
+def _cache_key(node: fx.Node, analysis: AnalysisView) -> Any:
     """The op, its literal arguments, and per tensor operand its shape (with ``L`` at its sequence
     dimension), dtype and device: all the classification depends on."""
     leaves, spec = _operands(node)
@@ -120,7 +119,7 @@ def _cache_key(node: fx.Node, analysis: SequenceAnalysis) -> Any:
     return tuple(key)
 
 
-def _fake_operands(node: fx.Node, analysis: SequenceAnalysis, fake_mode: Any, length: Any) -> tuple[list[Any], list[int], Any]:
+def _fake_operands(node: fx.Node, analysis: AnalysisView, fake_mode: Any, length: Any) -> tuple[list[Any], list[int], Any]:
     """The node's operands as fresh fake tensors, ``length`` at every sequence dimension."""
     leaves, spec = _operands(node)
     fakes, positions = list(leaves), []
@@ -136,7 +135,7 @@ def _fake_operands(node: fx.Node, analysis: SequenceAnalysis, fake_mode: Any, le
     return fakes, positions, spec
 
 
-def _classify_decomposition(node: fx.Node, analysis: SequenceAnalysis, function: Callable[..., Any]) -> NodeRole:
+def _classify_decomposition(node: fx.Node, analysis: AnalysisView, function: Callable[..., Any]) -> NodeRole:
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -171,8 +170,10 @@ def _classify_decomposition(node: fx.Node, analysis: SequenceAnalysis, function:
         if current.op == "call_function":
             _check(current, inner, placeholders)
             role = classify(current, inner)
+            if role.findings.refusal is not None:
+                raise Refused(f"refuses what it assumed at {op_name(current)}: {role.findings.refusal.reason}")
             _check_role(current, role)
-            record_partners(role, inner)
+            record_findings(current, role, inner)
             inner.roles[current] = role
     return _result(node, traced, inner)
 

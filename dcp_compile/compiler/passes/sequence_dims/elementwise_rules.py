@@ -8,14 +8,14 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.compiler.custom_autograd import custom_autograd_function, function_of
-from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Role, SequenceAnalysis
+from dcp_compile.compiler.passes.sequence_dims.model import AnalysisView, NodeRole, Role
 from dcp_compile.compiler.passes.sequence_dims.registry import FACTORIES_BY_EXAMPLE, mixing, pointwise, rule
 
 aten = torch.ops.aten
 
 
 @rule(aten.type_as.default)
-def type_as_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def type_as_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """``a.type_as(b)`` reads only ``b``'s dtype: it keeps ``a``'s layout, whatever ``b``'s shape."""
     source, other = node.args[:2]
     dims = analysis.dims_of(source)
@@ -24,19 +24,19 @@ def type_as_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 
 @rule(aten.broadcast_tensors.default)
-def broadcast_tensors_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def broadcast_tensors_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """Each output is its input broadcast to the common shape: elementwise, as ``a + b`` pairs them."""
     return pointwise(node, analysis)
 
 
 @rule(aten.one_hot.default)
-def one_hot_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def one_hot_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     source = node.args[0]
     return NodeRole(Role.TOKEN_LOCAL, analysis.dims_of(source), (source,))
 
 
 @rule(custom_autograd_function._opoverload)
-def custom_autograd_function_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def custom_autograd_function_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """A user's ``autograd.Function``: token-local when its forward and backward are elementwise."""
     function = function_of(node.args[0])
     if function.elementwise:
@@ -45,12 +45,12 @@ def custom_autograd_function_rule(node: fx.Node, analysis: SequenceAnalysis) -> 
 
 
 @rule(aten.sym_size.int)
-def sym_size_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def sym_size_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     return NodeRole(Role.NONE)
 
 
 @rule(*FACTORIES_BY_EXAMPLE)
-def metadata_read_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def metadata_read_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """``x.new_zeros(size)`` and its kin read ``x``'s dtype and device only: no token of ``x`` reaches
     the result, so it depends on no position. A result whose size holds the sequence length is a
     fresh sequence-sized value (a source, settled by the registry); any other is replicated."""

@@ -20,7 +20,6 @@ outputs, or when it combines with a value that is indexed by position from outsi
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Iterator
 
 import sympy
@@ -29,17 +28,17 @@ import torch.fx as fx
 
 from dcp_compile.compiler.passes.find_attention import SDPA
 from dcp_compile.compiler.passes.sequence_dims.model import (
-    GridRegion, GridRegionRefused, NodeRole, Rewrite, Role, SequenceAnalysis, SequenceDim,
+    AnalysisView, Findings, GridRegion, NodeRole, Refusal, RefusalKind, Rewrite, Role, SequenceAnalysis, SequenceDim,
+    read_only,
 )
 from dcp_compile.compiler.passes.sequence_dims.registry import (
-    RULES, VIEWS, Stage, is_pointwise, pointwise, record_partners, single, stage_rule,
+    RULES, VIEWS, Stage, is_pointwise, pointwise, record_findings, single, stage_rule,
 )
 from dcp_compile.compiler.passes.sequence_dims.symbolic import (
     SPLITS_SEQUENCE, divides, equal, map_through_view, product, shape_of, value_of,
 )
 
 aten = torch.ops.aten
-log = logging.getLogger(__name__)
 
 CONVOLUTIONS = {
     aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default,
@@ -48,9 +47,10 @@ CONVOLUTIONS = {
 
 
 @stage_rule(Stage.GRID_ENTRY)
-def grid_entry_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole | None:
+def grid_entry_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole | None:
     """A reshape that splits the plain tokens into a grid opens a grid region where one can be
-    found (the region is recorded on the analysis); None leaves the reshape to its view rule."""
+    found (returned in the role's findings, which the driver records); None leaves the reshape to
+    its view rule, as does a role whose findings say why no region opens."""
     source = node.args[0]
     seq = single(analysis.dims_of(source))
     if seq is None or seq.joint or node in analysis.refused_grids:
@@ -60,13 +60,11 @@ def grid_entry_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole | Non
         return None
     region = find_grid_region(node, analysis)
     if isinstance(region, GridRegion):
-        return register(region, analysis)
-    analysis.refused_grids[node] = region
-    log.info("dcp: %s gathers: no grid window: %s", node.name, region)
-    return None
+        return entered(region)
+    return NodeRole(Role.NONE, findings=Findings(refused_grid=region))
 
 
-def find_grid_region(entry: fx.Node, analysis: SequenceAnalysis) -> GridRegion | str:
+def find_grid_region(entry: fx.Node, analysis: AnalysisView) -> GridRegion | str:
     """The grid region ``entry`` opens, or why there is none."""
     source = entry.args[0]
     dims = analysis.dims_of(source)
@@ -111,7 +109,7 @@ def _after(entry: fx.Node) -> Iterator[fx.Node]:
 
 
 def _follow(node: fx.Node, region: GridRegion, grid: SequenceAnalysis, reach: dict[fx.Node, int],
-            analysis: SequenceAnalysis) -> str | None:
+            analysis: AnalysisView) -> str | None:
     """Add ``node`` to the region (as a member, an exit or a size read), or say why it can't be."""
     if node.op != "call_function":
         return "the grid reaches the graph's outputs"
@@ -138,11 +136,11 @@ def _follow(node: fx.Node, region: GridRegion, grid: SequenceAnalysis, reach: di
             return result
         reach[node] += conv_reach
     elif node.target in RULES:
-        result = RULES[node.target](node, grid)
-        record_partners(result, grid)
+        result = RULES[node.target](node, read_only(grid))
+        record_findings(node, result, grid)
     elif is_pointwise(node.target):
-        result = pointwise(node, grid)
-        record_partners(result, grid)
+        result = pointwise(node, read_only(grid))
+        record_findings(node, result, grid)
     else:
         return "no rule for it on a window of the grid"
     if result.role != Role.TOKEN_LOCAL or len(result.sequence_dims) != 1:
@@ -216,44 +214,43 @@ def _convolution_arguments(node: fx.Node, spatial_dims: int) -> tuple[list[int],
     return expanded(stride, 1), expanded(padding, 0), expanded(dilation, 1), transposed
 
 
-def check_outside_inputs(node: fx.Node, region: GridRegion, analysis: SequenceAnalysis) -> None:
+def outside_input_refusal(node: fx.Node, region: GridRegion, analysis: AnalysisView) -> NodeRole | None:
     """A member's inputs from outside the region must be the same whole value on every rank (weights,
-    a per-sample modulation): a sequence-indexed one would be a chunk, not the window's positions."""
+    a per-sample modulation): a sequence-indexed one would be a chunk, not the window's positions.
+    Else the region is refused: a role whose findings stop this attempt (the next one gathers at
+    the entry)."""
     for other in region.outside_inputs.get(node, ()):
-        if other in analysis.grid_members or other in analysis.grid_regions:
-            raise GridRegionRefused(region.entry, f"{node.name} combines the window with another grid's "
-                                                  f"({other.name}), whose window may differ")
+        why = None
         role = analysis.roles.get(other)
-        if role is not None and (analysis.dims_of(other) or role.role not in (Role.NONE, Role.SOURCE)):
-            raise GridRegionRefused(region.entry, f"{node.name} reads {other.name}, which is sequence-indexed, "
-                                                  "from outside the grid")
-        if role is not None and role.role == Role.SOURCE:
-            raise GridRegionRefused(region.entry, f"{node.name} reads {other.name}, a full sequence-indexed value")
+        if other in analysis.grid_members or other in analysis.grid_regions:
+            why = f"{node.name} combines the window with another grid's ({other.name}), whose window may differ"
+        elif role is not None and (analysis.dims_of(other) or role.role not in (Role.NONE, Role.SOURCE)):
+            why = f"{node.name} reads {other.name}, which is sequence-indexed, from outside the grid"
+        elif role is not None and role.role == Role.SOURCE:
+            why = f"{node.name} reads {other.name}, a full sequence-indexed value"
+        if why is not None:
+            return NodeRole(Role.MIXING, reason=why, findings=Findings(refusal=Refusal(RefusalKind.GRID, region.entry, why)))
+    return None
 
 
 @stage_rule(Stage.GRID_MEMBER)
-def member_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def member_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     region = analysis.grid_members[node]
-    check_outside_inputs(node, region, analysis)
-    return NodeRole(Role.NONE, reason=f"runs on this rank's window of the grid entered at {region.entry.name}")
+    return outside_input_refusal(node, region, analysis) or NodeRole(
+        Role.NONE, reason=f"runs on this rank's window of the grid entered at {region.entry.name}")
 
 
 @stage_rule(Stage.GRID_EXIT)
-def exit_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def exit_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     region = analysis.grid_exits[node]
-    check_outside_inputs(node, region, analysis)
-    return NodeRole(Role.MIXING, (SequenceDim(region.exits[node]),), (region.entry,),
-                    "flattens a grid window back into tokens", rewrite=Rewrite.LEAVE_GRID_WINDOW)
+    return outside_input_refusal(node, region, analysis) or NodeRole(
+        Role.MIXING, (SequenceDim(region.exits[node]),), (region.entry,), "flattens a grid window back into tokens",
+        rewrite=Rewrite.LEAVE_GRID_WINDOW)
 
 
-def register(region: GridRegion, analysis: SequenceAnalysis) -> NodeRole:
-    """Record the region on the analysis; the entry's own role."""
-    analysis.grid_regions[region.entry] = region
-    for member in region.members | region.size_reads:
-        analysis.grid_members[member] = region
-    for exit_node in region.exits:
-        analysis.grid_exits[exit_node] = region
+def entered(region: GridRegion) -> NodeRole:
+    """The entry's own role; the region itself rides in its findings (the driver records it)."""
     source = region.entry.args[0]
     return NodeRole(Role.MIXING, (), (source,), f"enters a grid window (reach {region.radius} along "
                                              f"{region.units} steps of {region.unit} tokens)",
-                      rewrite=Rewrite.ENTER_GRID_WINDOW)
+                    rewrite=Rewrite.ENTER_GRID_WINDOW, findings=Findings(grid_region=region))

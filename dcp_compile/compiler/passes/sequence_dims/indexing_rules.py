@@ -17,7 +17,9 @@ import sympy
 import torch
 import torch.fx as fx
 
-from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Rewrite, Role, SequenceAnalysis, SequenceDim
+from dcp_compile.compiler.passes.sequence_dims.model import (
+    NO_FINDINGS, AnalysisView, Findings, NodeRole, Rewrite, Role, SequenceDim,
+)
 from dcp_compile.compiler.passes.sequence_dims.registry import argument, mixing, op_name, rule, single, sized_source
 from dcp_compile.compiler.passes.sequence_dims.symbolic import (
     equal, expression, is_empty, normalize, shape_of, value_of,
@@ -25,7 +27,7 @@ from dcp_compile.compiler.passes.sequence_dims.symbolic import (
 
 aten = torch.ops.aten
 
-def index_dim_rule(node: fx.Node, analysis: SequenceAnalysis, dim_position: int, removes_dim: bool,
+def index_dim_rule(node: fx.Node, analysis: AnalysisView, dim_position: int, removes_dim: bool,
                    identity_check: bool) -> NodeRole:
     source = node.args[0]
     rank = value_of(source).dim()
@@ -85,7 +87,7 @@ def segment_bounds(seq: SequenceDim, length: Any) -> dict[Segment, tuple[Any, An
             Segment.TRAILING: (seq.before + length, seq.before + length + seq.after)}
 
 
-def joint_segment_rule(node: fx.Node, analysis: SequenceAnalysis, source: fx.Node, seq: SequenceDim) -> NodeRole:
+def joint_segment_rule(node: fx.Node, analysis: AnalysisView, source: fx.Node, seq: SequenceDim) -> NodeRole:
     """Taking one segment back out of a joint sequence (``x[:, :text_len]`` after joint
     attention): the sharded segment is this rank's chunk, a replicated one is whole on every
     rank. Anything else (a slice across a boundary) reads positions other ranks hold."""
@@ -112,18 +114,18 @@ def joint_segment_rule(node: fx.Node, analysis: SequenceAnalysis, source: fx.Nod
 
 
 @rule(aten.slice.Tensor, aten.narrow.default)
-def slice_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def slice_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     return index_dim_rule(node, analysis, 1, False, True)
 
 
 @rule(aten.select.int)
-def select_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def select_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     return index_dim_rule(node, analysis, 1, True, False)
 
 
 @rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
       aten.tensor_split.sections, aten.split.sizes)
-def split_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def split_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     source = node.args[0]
     rank = value_of(source).dim()
     dim_position = 1 if node.target is aten.unbind.int else 2
@@ -141,17 +143,17 @@ def split_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 
 @rule(operator.getitem)
-def getitem_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def getitem_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     source, index = node.args
     if not isinstance(source, fx.Node) or not isinstance(index, int):
         return NodeRole(Role.NONE)
     dims = analysis.dims_of(source, index)
-    if (source, index) in analysis.positions:
-        analysis.positions[node] = analysis.positions[(source, index)]
-    return NodeRole(Role.TOKEN_LOCAL if dims else Role.NONE, dims, (source,) if dims else ())
+    positions = analysis.positions.get((source, index))  # a sort's indices: the positions they hold
+    found = Findings(positions=((None, positions),)) if positions is not None else NO_FINDINGS
+    return NodeRole(Role.TOKEN_LOCAL if dims else Role.NONE, dims, (source,) if dims else (), findings=found)
 
 
-def joint_split_rule(node: fx.Node, analysis: SequenceAnalysis, source: fx.Node, seq: SequenceDim) -> NodeRole:
+def joint_split_rule(node: fx.Node, analysis: AnalysisView, source: fx.Node, seq: SequenceDim) -> NodeRole:
     """``joint.split_with_sizes([text_len, image_len])``: each piece is one whole segment."""
     sizes = [size_argument(size) for size in node.args[1]]
     if any(size is None for size in sizes):
@@ -172,7 +174,7 @@ def joint_split_rule(node: fx.Node, analysis: SequenceAnalysis, source: fx.Node,
 
 
 @rule(aten.cat.default, aten.stack.default)
-def cat_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def cat_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     tensors = [t for t in node.args[0] if isinstance(t, fx.Node)]
     out_rank = value_of(node).dim()
     raw_dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
@@ -207,7 +209,7 @@ def cat_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     return NodeRole(Role.TOKEN_LOCAL, tuple(mapped), tuple(tensors))
 
 
-def joint_concatenation(node: fx.Node, analysis: SequenceAnalysis, tensors: list[fx.Node], sharded: fx.Node,
+def joint_concatenation(node: fx.Node, analysis: AnalysisView, tensors: list[fx.Node], sharded: fx.Node,
                         dim: int) -> NodeRole | None:
     """Text tokens concatenated with the image tokens along the sequence (joint attention): the
     image chunk stays sharded, the text is replicated around it, no gather."""
@@ -225,7 +227,7 @@ TABLE_GATHERED = "an embedding lookup into a sequence-indexed table (rows picked
 
 
 @rule(aten.embedding.default)
-def embedding_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def embedding_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """Rows of the table picked per token: token-local in the ids. A table indexed by the
     sequence itself (a position table looked up by arbitrary ids) is read whole on every rank."""
     table, indices = node.args[:2]
@@ -238,7 +240,7 @@ def embedding_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 
 @rule(aten.flip.default, aten.roll.default)
-def reorder_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def reorder_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """``flip`` and ``roll`` reorder positions along the dimensions they name: along others the
     tokens stay where they are. A ``roll`` with no dimension rolls the flattened value."""
     source = node.args[0]
@@ -253,7 +255,7 @@ def reorder_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 
 @rule(aten.pad.default, aten.constant_pad_nd.default)
-def pad_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def pad_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     source = node.args[0]
     rank = value_of(source).dim()
     padding = list(node.args[1])

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Role, SequenceAnalysis
+from dcp_compile.compiler.passes.sequence_dims.model import AnalysisView, NodeRole, Role, SequenceAnalysis
 from dcp_compile.compiler.passes.sequence_dims.registry import Stage, mixing, op_name, rule, stage_rule
 
 aten = torch.ops.aten
@@ -166,13 +166,13 @@ def unproven_writes(analysis: SequenceAnalysis, graph: fx.Graph) -> dict[fx.Node
 
 
 @stage_rule(Stage.WRITTEN_ALIAS)
-def written_alias_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def written_alias_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """A member of an unproven written group: sequence-mixing, gathered with its reason."""
     return mixing(analysis.written_aliases[node])
 
 
 @rule(aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, aten.fill.Scalar, aten.fill.Tensor)
-def fill_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def fill_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """Filling a value with a scalar keeps its layout (a tensor fill value must be a scalar)."""
     value = node.args[1] if len(node.args) > 1 else None
     if isinstance(value, fx.Node) and analysis.dims_of(value):

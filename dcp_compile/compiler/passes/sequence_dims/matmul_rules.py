@@ -9,13 +9,13 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 
-from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Rewrite, Role, SequenceAnalysis, SequenceDim
+from dcp_compile.compiler.passes.sequence_dims.model import AnalysisView, NodeRole, Rewrite, Role, SequenceDim
 from dcp_compile.compiler.passes.sequence_dims.registry import broadcast_partners, mixing, op_name, rule, single
 from dcp_compile.compiler.passes.sequence_dims.symbolic import equal, shape_of, value_of
 
 aten = torch.ops.aten
 
-def leading_dims_rule(node: fx.Node, analysis: SequenceAnalysis, first: fx.Node, trailing: int,
+def leading_dims_rule(node: fx.Node, analysis: AnalysisView, first: fx.Node, trailing: int,
                       others: Iterable[Any] = ()) -> NodeRole:
     """The op works on the last ``trailing`` dims of ``first``; the sequence must be before them."""
     for other in others:
@@ -36,12 +36,12 @@ def leading_dims_rule(node: fx.Node, analysis: SequenceAnalysis, first: fx.Node,
 
 
 @rule(aten.linear.default)
-def linear_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def linear_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     return leading_dims_rule(node, analysis, node.args[0], 1, node.args[1:])
 
 
 @rule(aten.matmul.default, aten.mm.default, aten.bmm.default)
-def matmul_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def matmul_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     first, second = node.args[:2]
     if value_of(first).dim() == 1:
         return mixing("a vector-matrix product over the sequence")
@@ -67,7 +67,7 @@ def matmul_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     return result
 
 
-def batched_over_tokens(node: fx.Node, analysis: SequenceAnalysis, result: NodeRole, second: fx.Node,
+def batched_over_tokens(node: fx.Node, analysis: AnalysisView, result: NodeRole, second: fx.Node,
                         seq: SequenceDim) -> NodeRole:
     """``bmm(rows, weights)`` with the tokens in the batch dimensions of ``rows`` pairs each token
     with a batch entry of ``weights`` (``w[expert_ids]`` of an MoE's flattened tokens): where that
@@ -85,19 +85,19 @@ def batched_over_tokens(node: fx.Node, analysis: SequenceAnalysis, result: NodeR
 
 
 @rule(aten.addmm.default)
-def addmm_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def addmm_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     bias, first, second = node.args[:3]
     return leading_dims_rule(node, analysis, first, 1, (second, bias))
 
 
 @rule(aten.layer_norm.default, aten.rms_norm.default, aten.native_layer_norm.default)
-def norm_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def norm_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     normalized = node.args[1]
     return leading_dims_rule(node, analysis, node.args[0], len(normalized), node.args[2:])
 
 
 @rule(aten.outer.default, aten.ger.default)
-def outer_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def outer_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     left, right = node.args[:2]
     if analysis.dims_of(right):
         return mixing("an outer product with a sequence-indexed right operand")

@@ -1,6 +1,10 @@
 """The sequence analysis' data: where the sequence is in a value, what a node does to it, and the
 analysis' result. Every rule and lowering speaks these types; nothing here knows any op.
 
+Rules read the analysis through :class:`ReadOnlyAnalysis` (the :class:`AnalysisView` they are
+typed with) and return what they find besides a role in :class:`Findings`; the driver is the one
+writer. An attempt that finds an earlier assumption wrong stops with a :class:`Refusal`.
+
 Roles and rewrites are enums so that ``grep -rn "Rewrite.SUM_OVER_SEQUENCE"`` finds both the rule
 that decides it and the lowering that carries it out (``shard_sequence``).
 """
@@ -9,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any, Union
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Protocol, Union
 
 import networkx as nx
 import sympy
@@ -124,6 +129,9 @@ class NodeRole:
     # Operands with no sequence dimension of their own that span it by broadcasting: the
     # propagation driver records them as sources of ``dim`` (see registry.pointwise).
     partners: tuple[tuple[fx.Node, SequenceDim], ...] = ()
+    # What the rule found besides the role (positions, a grid region, a refusal): recorded on the
+    # analysis by the driver (``registry.record_findings``), never kept in the analysis' roles.
+    findings: "Findings" = field(default_factory=lambda: NO_FINDINGS)
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,47 @@ class TokenPositions:
     sort: fx.Node
     inner: Any
     inverse: bool = False
+
+
+class RefusalKind(_NamedEnum):
+    """What an attempt of the analysis assumed that a later node showed wrong."""
+
+    GRID = "grid"  # a grid region reads a sequence-indexed value from outside: its entry gathers
+    DISPATCH = "dispatch"  # a local token sort's counts or order are read beyond it: it sorts gathered tokens
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why an attempt stops: found only when the propagation reaches a node that reads what an
+    earlier node assumed (a grid window, a local dispatch). The driver records ``reason`` for
+    ``node`` (the grid's entry, the sort) and runs the next attempt without the assumption."""
+
+    kind: RefusalKind
+    node: fx.Node
+    reason: str
+
+    def error(self) -> Exception:
+        """The exception :func:`propagation.propagate` raises for it (one attempt, for tests)."""
+        return (GridRegionRefused if self.kind is RefusalKind.GRID else DispatchRefused)(self.node, self.reason)
+
+
+@dataclass(frozen=True)
+class Findings:
+    """What a rule found besides the node's role. A rule only reads the analysis; the driver
+    records these (``registry.record_findings``), so one caller writes and one place says how."""
+
+    # (None: the node's own value, i: element i of its tuple) -> the positions it holds (token_sets)
+    positions: tuple[tuple["int | None", TokenPositions], ...] = ()
+    grid_region: "GridRegion | None" = None  # the grid region the node enters (grid_rules)
+    refused_grid: "str | None" = None  # why the reshape opens no grid region (it keeps its view rule)
+    refusal: Refusal | None = None  # an assumption of this attempt found wrong: the attempt stops
+
+    def __bool__(self) -> bool:
+        return bool(self.positions) or self.grid_region is not None or self.refused_grid is not None \
+            or self.refusal is not None
+
+
+NO_FINDINGS = Findings()
 
 
 @dataclass
@@ -162,8 +211,9 @@ class GridRegion:
 
 
 class GridRegionRefused(Exception):
-    """Raised while the analysis runs, when a region's member reads a sequence-indexed value from
-    outside the region: the driver starts over without that region (its entry gathers)."""
+    """A grid region's member reads a sequence-indexed value from outside the region (its entry
+    gathers next attempt). Raised only by ``propagation.propagate``, one attempt for tests: the
+    driver reads the :class:`Refusal` an attempt returns and loops."""
 
     def __init__(self, entry: fx.Node, reason: str) -> None:
         super().__init__(reason)
@@ -171,10 +221,10 @@ class GridRegionRefused(Exception):
 
 
 class DispatchRefused(Exception):
-    """Raised while the analysis runs, when counts of a local token sort (an MoE's per-expert
-    group sizes) are read per token, beyond the dispatch (a capacity limit): which tokens drop then
-    depends on every rank's tokens. The driver starts over with that sort run on the gathered
-    tokens."""
+    """Counts of a local token sort (an MoE's per-expert group sizes) are read per token, beyond
+    the dispatch (a capacity limit): which tokens drop then depends on every rank's tokens, so the
+    sort runs on the gathered tokens next attempt. Raised only by ``propagation.propagate`` (see
+    :class:`GridRegionRefused`)."""
 
     def __init__(self, sort: fx.Node, reason: str) -> None:
         super().__init__(reason)
@@ -189,6 +239,11 @@ class Decompositions:
     graphs' analyses (no module state)."""
 
     found: dict[Any, "NodeRole | str"] = field(default_factory=dict)
+
+    def get(self, key: Any, compute: Callable[[], "NodeRole | str"]) -> "NodeRole | str":
+        if key not in self.found:
+            self.found[key] = compute()
+        return self.found[key]
 
 
 @dataclass
@@ -232,6 +287,15 @@ class SequenceAnalysis:
         role = self.roles.get(node) if isinstance(node, fx.Node) else None
         return None if role is None else role.role
 
+    def enter_grid(self, region: GridRegion) -> None:
+        """Record a grid region found at its entry (``grid_rules``): its members and exits are
+        classified as the region's from now on."""
+        self.grid_regions[region.entry] = region
+        for member in region.members | region.size_reads:
+            self.grid_members[member] = region
+        for exit_node in region.exits:
+            self.grid_exits[exit_node] = region
+
     def table(self) -> list[tuple[str, str, str, str]]:
         rows = []
         for node, role in self.roles.items():
@@ -243,6 +307,100 @@ class SequenceAnalysis:
                 detail += f" (no grid window: {self.refused_grids[node]})"
             rows.append((node.name, str(node.target).replace("aten.", ""), role.role.value, f"{dims} {detail}".strip()))
         return rows
+
+
+class AnalysisView(Protocol):
+    """What a rule reads of the analysis; a rule is ``(node, AnalysisView) -> NodeRole`` and
+    writes nothing (what it finds besides the role travels in ``NodeRole.findings``)."""
+
+    @property
+    def length(self) -> Any: ...
+    @property
+    def roles(self) -> Mapping[fx.Node, NodeRole]: ...
+    @property
+    def graph(self) -> nx.DiGraph | None: ...
+    @property
+    def regions(self) -> Mapping[fx.Node, AttentionSite]: ...
+    @property
+    def region_members(self) -> Mapping[fx.Node, AttentionSite]: ...
+    @property
+    def positions(self) -> Mapping[Any, TokenPositions]: ...
+    @property
+    def parameters(self) -> frozenset[fx.Node]: ...
+    @property
+    def token_dims(self) -> Mapping[fx.Node, set[int]] | None: ...
+    @property
+    def grid_regions(self) -> Mapping[fx.Node, GridRegion]: ...
+    @property
+    def grid_members(self) -> Mapping[fx.Node, GridRegion]: ...
+    @property
+    def grid_exits(self) -> Mapping[fx.Node, GridRegion]: ...
+    @property
+    def refused_grids(self) -> Mapping[fx.Node, str]: ...
+    @property
+    def written_aliases(self) -> Mapping[fx.Node, str]: ...
+    @property
+    def refused_dispatches(self) -> Mapping[fx.Node, str]: ...
+    @property
+    def depth(self) -> int: ...
+    @property
+    def decompositions(self) -> Decompositions: ...
+
+    def dims_of(self, node: Any, index: int | None = None) -> tuple[SequenceDim, ...]: ...
+
+    def role_of(self, node: Any) -> Role | None: ...
+
+
+_MAPPINGS = ("roles", "regions", "region_members", "positions", "token_dims", "grid_regions", "grid_members",
+             "grid_exits", "refused_grids", "written_aliases", "refused_dispatches")
+_VALUES = ("length", "graph", "parameters", "depth", "decompositions")
+
+
+class ReadOnlyAnalysis:
+    """A :class:`SequenceAnalysis` as the rules see it: every fact readable, none writable (its
+    dicts are read-only mappings, setting an attribute raises). ``decompositions`` is the one
+    object reachable for writing: a memo of a pure function, no fact of the analysis."""
+
+    __slots__ = ("_analysis",)
+
+    def __init__(self, analysis: SequenceAnalysis) -> None:
+        object.__setattr__(self, "_analysis", analysis)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"a sequence rule reads the analysis and never sets {name!r}: return what it "
+                             "found in NodeRole.findings")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"a sequence rule never deletes {name!r} from the analysis")
+
+    def dims_of(self, node: Any, index: int | None = None) -> tuple[SequenceDim, ...]:
+        return self._analysis.dims_of(node, index)
+
+    def role_of(self, node: Any) -> Role | None:
+        return self._analysis.role_of(node)
+
+
+def _mapping_property(name: str) -> property:
+    def read(self: ReadOnlyAnalysis) -> Any:
+        value = getattr(self._analysis, name)
+        return None if value is None else MappingProxyType(value)
+    return property(read, doc=f"``SequenceAnalysis.{name}``, read-only")
+
+
+def _value_property(name: str) -> property:
+    return property(lambda self: getattr(self._analysis, name), doc=f"``SequenceAnalysis.{name}``")
+
+
+for _name in _MAPPINGS:
+    setattr(ReadOnlyAnalysis, _name, _mapping_property(_name))
+for _name in _VALUES:
+    setattr(ReadOnlyAnalysis, _name, _value_property(_name))
+del _name
+
+
+def read_only(analysis: "SequenceAnalysis | ReadOnlyAnalysis") -> ReadOnlyAnalysis:
+    """The view a rule gets of ``analysis`` (itself when it is a view already)."""
+    return analysis if isinstance(analysis, ReadOnlyAnalysis) else ReadOnlyAnalysis(analysis)
 
 
 def fx_to_networkx(graph: fx.Graph) -> nx.DiGraph:

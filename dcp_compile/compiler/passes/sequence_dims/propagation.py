@@ -24,9 +24,10 @@ import torch.fx as fx
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import AttentionSite
 from dcp_compile.compiler.passes.sequence_dims.model import (
-    INHERIT, Decompositions, DispatchRefused, GridRegionRefused, NodeRole, Role, SequenceAnalysis, TokenOrder, fx_to_networkx,
+    INHERIT, Decompositions, Findings, NodeRole, Refusal, RefusalKind, Role, SequenceAnalysis, TokenOrder,
+    fx_to_networkx,
 )
-from dcp_compile.compiler.passes.sequence_dims.registry import classify, mixing, record_partners
+from dcp_compile.compiler.passes.sequence_dims.registry import classify, mixing, record_findings
 from dcp_compile.compiler.passes.sequence_dims.symbolic import (
     equal, expression, is_empty, normalize, size_hint, traced_size, value_of,
 )
@@ -96,31 +97,32 @@ def long_segment_of(graph: fx.Graph, length: Any) -> Any:
 
 def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite],
                           parameter_indices: frozenset[int] = frozenset()) -> SequenceAnalysis:
+    """Every node's role, in attempts: each attempt classifies the graph under what earlier ones
+    refused, and the loop ends at the first attempt that refuses nothing new.
+
+    An attempt stops at a :class:`Refusal`: a grid region found to read a sequence-indexed value
+    from outside once the propagation reaches that member (its entry gathers next time), or a
+    local token sort whose counts or order are read beyond its dispatch (it sorts the gathered
+    tokens next time). A finished attempt may still leave buffers written in place that the rules
+    did not prove chunk-aligned: their members are forced onto the full sequence (see
+    inplace_writes) and the next attempt runs with them.
+    """
     length = long_segment_of(gm.graph, sequence_length_of(sites))
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     parameters = frozenset(placeholders[i] for i in parameter_indices if i < len(placeholders))
     graph = fx_to_networkx(gm.graph)
-    refused: dict[fx.Node, str] = {}
+    refused: dict[RefusalKind, dict[fx.Node, str]] = {kind: {} for kind in RefusalKind}
     written: dict[fx.Node, str] = {}
-    dispatches: dict[fx.Node, str] = {}
     decompositions = Decompositions()  # what each decomposition proves does not change between attempts
     while True:
-        # A grid region found to read a sequence-indexed value from outside only once the
-        # propagation reaches that member is refused, and the analysis starts over without it.
-        # Likewise a buffer written in place that the rules did not prove chunk-aligned: its
-        # members are forced onto the full sequence (see inplace_writes) and the analysis reruns.
-        try:
-            analysis = propagate(sites, SequenceAnalysis(length=length, graph=graph, parameters=parameters,
-                                                         refused_grids=dict(refused), written_aliases=dict(written),
-                                                         refused_dispatches=dict(dispatches),
-                                                         decompositions=decompositions))
-        except GridRegionRefused as refusal:
-            refused[refusal.entry] = refusal.reason
-            log.info("dcp: %s gathers: no grid window: %s", refusal.entry.name, refusal.reason)
-            continue
-        except DispatchRefused as refusal:
-            dispatches[refusal.sort] = refusal.reason
-            log.info("dcp: %s sorts the gathered tokens: %s", refusal.sort.name, refusal.reason)
+        analysis = SequenceAnalysis(length=length, graph=graph, parameters=parameters,
+                                    refused_grids=dict(refused[RefusalKind.GRID]), written_aliases=dict(written),
+                                    refused_dispatches=dict(refused[RefusalKind.DISPATCH]),
+                                    decompositions=decompositions)
+        refusal = attempt(sites, analysis)
+        if refusal is not None:
+            refused[refusal.kind][refusal.node] = refusal.reason
+            log.info("dcp: %s %s: %s", refusal.node.name, REFUSED[refusal.kind], refusal.reason)
             continue
         forced = unproven_writes(analysis, gm.graph) if analysis.length is not None else {}
         if not forced:
@@ -129,8 +131,12 @@ def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite],
         log.info("dcp: %d values written in place run on the full sequence", len(forced))
 
 
-def propagate(sites: list[AttentionSite], analysis: SequenceAnalysis) -> SequenceAnalysis:
-    """Every node's role, in topological order, recorded on ``analysis``."""
+REFUSED = {RefusalKind.GRID: "gathers: no grid window", RefusalKind.DISPATCH: "sorts the gathered tokens"}
+
+
+def attempt(sites: list[AttentionSite], analysis: SequenceAnalysis) -> Refusal | None:
+    """Every node's role, in topological order, recorded on ``analysis``; or the refusal that
+    stopped the attempt at the node that found it (the roles after it are not classified)."""
     length = analysis.length
     if length is not None and not length.free_symbols:
         analysis.token_dims = token_dims_from_attention(sites, length)
@@ -139,18 +145,33 @@ def propagate(sites: list[AttentionSite], analysis: SequenceAnalysis) -> Sequenc
             analysis.regions[site.node] = site
             analysis.region_members.update((member, site) for member in site.region.nodes[:-1])
     if length is None:
-        return analysis
+        return None
     for node in nx.topological_sort(analysis.graph):
-        propagate_node(node, analysis)
+        refusal = propagate_node(node, analysis).findings.refusal
+        if refusal is not None:
+            return refusal
+    return None
+
+
+def propagate(sites: list[AttentionSite], analysis: SequenceAnalysis) -> SequenceAnalysis:
+    """One attempt (see :func:`attempt`), for a test that wants the analysis: a refusal raises
+    (``GridRegionRefused`` / ``DispatchRefused``). The driver loops over attempts instead."""
+    refusal = attempt(sites, analysis)
+    if refusal is not None:
+        raise refusal.error()
     return analysis
 
 
 def propagate_node(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
-    """Classify one node whose inputs have their roles, and record its role (and the broadcast
-    partners its rule found)."""
+    """Classify one node whose inputs have their roles, and record its role and what its rules
+    found (broadcast partners, positions, a grid region). A role whose findings hold a refusal is
+    returned unrecorded: the attempt stops there."""
     result = classify(node, analysis)
-    refuse_local_dispatch(node, result, analysis)
-    record_partners(result, analysis)
+    refusal = result.findings.refusal or local_dispatch_refusal(node, result, analysis)
+    if refusal is not None:
+        return NodeRole(result.role, result.sequence_dims, result.aligned_inputs, result.reason, result.rewrite,
+                        findings=Findings(refusal=refusal))
+    record_findings(node, result, analysis)
     order = token_order(result, analysis)
     if order is INHERIT:
         result = mixing("combines token rows kept in different orders")
@@ -166,17 +187,17 @@ CAPACITY_REASON = ("a local token sort's counts or order are read beyond its dis
                    "runs on the gathered tokens")
 
 
-def refuse_local_dispatch(node: fx.Node, result: NodeRole, analysis: SequenceAnalysis) -> None:
+def local_dispatch_refusal(node: fx.Node, result: NodeRole, analysis: SequenceAnalysis) -> Refusal | None:
     """A dispatch on the rank's own tokens (a local sort, see ``token_sets``) is exact only while
     its values stay inside it. Token-set values (per-expert counts of the rank's rows) are exact
     only as group sizes of those rows (a grouped matmul's offsets, which its rule aligns): read any
     other way next to the tokens (``starts[expert_of_row]``, compared with a capacity) they would
     stand in for the whole sequence's counts. A value in the sort's order read across tokens (a
     ``cumsum`` of sorted one-hots for places in the experts' groups) would need a gather, which
-    would interleave the ranks' orders. Either way the sort is refused (``DispatchRefused``) and
-    the analysis reruns with it on the gathered tokens."""
+    would interleave the ranks' orders. Either way the sort is refused and the next attempt runs
+    it on the gathered tokens."""
     if result.role is Role.TOKEN_SET or node.op != "call_function":
-        return
+        return None
     for source in node.all_input_nodes:
         role = analysis.roles.get(source)
         if role is None:
@@ -188,7 +209,8 @@ def refuse_local_dispatch(node: fx.Node, result: NodeRole, analysis: SequenceAna
         else:
             continue
         if sort is not None and sort not in analysis.refused_dispatches:
-            raise DispatchRefused(sort, CAPACITY_REASON)
+            return Refusal(RefusalKind.DISPATCH, sort, CAPACITY_REASON)
+    return None
 
 
 def sort_behind(node: fx.Node, analysis: SequenceAnalysis) -> fx.Node | None:

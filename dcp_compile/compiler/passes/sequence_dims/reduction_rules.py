@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Rewrite, Role, SequenceAnalysis
+from dcp_compile.compiler.passes.sequence_dims.model import AnalysisView, NodeRole, Rewrite, Role
 from dcp_compile.compiler.passes.sequence_dims.registry import argument, mixing, op_name, rule, single
 from dcp_compile.compiler.passes.sequence_dims.symbolic import normalize, value_of
 
@@ -26,7 +26,7 @@ LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_
 
 
 @rule(*SCANS)
-def scan_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def scan_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     source = node.args[0]
     dim = normalize(node.args[1], value_of(source).dim())
     if any(seq.dim == dim for seq in analysis.dims_of(source)):
@@ -35,7 +35,7 @@ def scan_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 
 @rule(*REDUCTIONS)
-def reduction_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def reduction_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     source = node.args[0]
     rank = value_of(source).dim()
     # Read off the schema: ``norm.ScalarOpt_dim`` has ``p`` before ``dim``, ``var.dim`` has
@@ -67,7 +67,7 @@ def reduction_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 
 @rule(*FULL_REDUCTIONS)
-def full_reduction_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def full_reduction_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     source = node.args[0]
     seq = single(analysis.dims_of(source))
     rewrite = Rewrite.SUM_OVER_SEQUENCE if seq is not None and not seq.joint else None
@@ -76,7 +76,7 @@ def full_reduction_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 
 @rule(*LOSSES)
-def loss_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def loss_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     logits, target = node.args[:2]
     reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
     logits_seq, target_seq = single(analysis.dims_of(logits)), single(analysis.dims_of(target))

@@ -3,7 +3,10 @@
 Rules are registered the way DTensor registers its op strategies: a rule module decorates a
 function with ``@rule(*targets)`` (by op) or ``@stage_rule(Stage.X)`` (for a link of the chain
 below that is not keyed by op), and ``sequence_dims/__init__`` imports every rule module once.
-A rule is ``(node, analysis) -> NodeRole`` and reads only the roles of the node's inputs.
+A rule is ``(node, view) -> NodeRole``: it reads the analysis through a read-only view
+(``model.ReadOnlyAnalysis``, which :func:`classify` hands it) and writes nothing, not even module
+state. What it finds besides the node's role (token positions, a grid region, a refusal) it
+returns in ``NodeRole.findings``; the driver records them (:func:`record_findings`).
 
 :func:`classify` is the precedence chain, top to bottom. Default deny: an op with a sequence
 input and no rule is sequence-mixing, with the reason "no sharding rule".
@@ -14,6 +17,8 @@ which other rules reuse) and :func:`sized_source` (a value created with the sequ
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from enum import Enum
 from typing import Any, Callable
 
@@ -21,14 +26,15 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.compiler.passes.sequence_dims.model import (
-    NodeRole, Rewrite, Role, SequenceAnalysis, SequenceDim,
+    NO_FINDINGS, AnalysisView, Findings, NodeRole, Rewrite, Role, SequenceAnalysis, SequenceDim, read_only,
 )
 from dcp_compile.compiler.passes.sequence_dims.symbolic import equal, shape_of, value_of
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 
-Rule = Callable[[fx.Node, SequenceAnalysis], NodeRole]
-StageRule = Callable[[fx.Node, SequenceAnalysis], "NodeRole | None"]
+Rule = Callable[[fx.Node, AnalysisView], NodeRole]
+StageRule = Callable[[fx.Node, AnalysisView], "NodeRole | None"]
 
 POINTWISE_EXTRA = {
     aten.clone.default, aten.contiguous.default, aten._to_copy.default, aten.to.dtype,
@@ -110,7 +116,7 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return [n for n in node.all_input_nodes if isinstance(value_of(n), torch.Tensor)]
 
 
-def sequence_inputs(node: fx.Node, analysis: SequenceAnalysis) -> list[fx.Node]:
+def sequence_inputs(node: fx.Node, analysis: AnalysisView) -> list[fx.Node]:
     return [n for n in node.all_input_nodes if analysis.dims_of(n)]
 
 
@@ -153,7 +159,7 @@ def is_grouped_matmul(target: Any) -> bool:
 
 # --- the fallbacks of the chain -----------------------------------------------------------------
 
-def pointwise(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def pointwise(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """Elementwise (with broadcasting): the output keeps its inputs' sequence dimension."""
     out = value_of(node)
     out_value = out[0] if isinstance(out, (tuple, list)) else out
@@ -186,7 +192,7 @@ def pointwise(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     return NodeRole(Role.TOKEN_LOCAL, dims, tuple(aligned), element_dims=elements, partners=partners)
 
 
-def broadcast_partners(node: fx.Node, analysis: SequenceAnalysis, seq: SequenceDim,
+def broadcast_partners(node: fx.Node, analysis: AnalysisView, seq: SequenceDim,
                        out_rank: int) -> tuple[tuple[fx.Node, SequenceDim], ...]:
     """Operands with no sequence dimension of their own that still span the sequence.
 
@@ -207,7 +213,7 @@ def broadcast_partners(node: fx.Node, analysis: SequenceAnalysis, seq: SequenceD
     return tuple(partners)
 
 
-def full_length_operands(node: fx.Node, analysis: SequenceAnalysis, seq: SequenceDim, out_rank: int) -> list[fx.Node]:
+def full_length_operands(node: fx.Node, analysis: AnalysisView, seq: SequenceDim, out_rank: int) -> list[fx.Node]:
     """Operands with no sequence dimension that span the sequence position as a sequence-mixing
     op left them: at full length (a gathered value whose size expression the analysis did not
     read as the sequence, e.g. ``Min(s0, 2*((s0+1)//2))`` after a fold into pairs and a slice).
@@ -217,7 +223,7 @@ def full_length_operands(node: fx.Node, analysis: SequenceAnalysis, seq: Sequenc
             if (role := analysis.roles.get(source)) is not None and role.role in (Role.MIXING, Role.ATTENTION)]
 
 
-def _spanning_operands(node: fx.Node, analysis: SequenceAnalysis, seq: SequenceDim,
+def _spanning_operands(node: fx.Node, analysis: AnalysisView, seq: SequenceDim,
                        out_rank: int) -> list[tuple[fx.Node, int]]:
     """Tensor operands without a sequence dimension whose size at the sequence position is not 1."""
     spanning = []
@@ -239,7 +245,22 @@ def record_partners(result: NodeRole, analysis: SequenceAnalysis) -> None:
                                            token_order=None)
 
 
-def sized_source(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def record_findings(node: fx.Node, result: NodeRole, analysis: SequenceAnalysis) -> None:
+    """What the driver records of ``node``'s classification besides its role: the broadcast
+    partners, the positions its values hold, the grid region it enters or why it enters none.
+    The one writer of these facts (the rules only report them); a refusal is the caller's."""
+    record_partners(result, analysis)
+    found = result.findings
+    for index, positions in found.positions:
+        analysis.positions[node if index is None else (node, index)] = positions
+    if found.grid_region is not None:
+        analysis.enter_grid(found.grid_region)
+    if found.refused_grid is not None:
+        analysis.refused_grids[node] = found.refused_grid
+        log.info("dcp: %s gathers: no grid window: %s", node.name, found.refused_grid)
+
+
+def sized_source(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """A value whose size at some dimension is the attention length, so indexed by tokens.
 
     Not a parameter: its sizes come from the model's configuration, never from the data, and a
@@ -266,7 +287,7 @@ def sized_source(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     return NodeRole(Role.SOURCE, dims, (), "creates the sequence dimension")
 
 
-def token_set_inputs(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole | None:
+def token_set_inputs(node: fx.Node, analysis: AnalysisView) -> NodeRole | None:
     """An op over token-set values alone (``cumsum`` of per-expert counts) stays a token-set value."""
     if node.op != "call_function":
         return None
@@ -279,7 +300,7 @@ def token_set_inputs(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole | No
 
 # --- the precedence chain -----------------------------------------------------------------------
 
-def classify(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def classify(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """The role of ``node``, given its inputs' roles. The first link that applies decides:
 
     1. an op over token-set values alone stays a token-set value;
@@ -300,7 +321,11 @@ def classify(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
     Then :func:`_settle` corrects what a rule cannot see: a value created with the sequence's
     size is a source, and a second sequence dimension appearing makes the op mixing.
+
+    Every rule gets ``analysis`` read-only; the answer carries what the rules found
+    (``NodeRole.findings``, a grid entry's refusal included when its view rule decided).
     """
+    analysis = read_only(analysis)
     from_sets = token_set_inputs(node, analysis)
     if from_sets is not None:
         return from_sets
@@ -321,10 +346,13 @@ def classify(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     has_sequence_input = bool(sequence_inputs(node, analysis))
     target = node.target
     result: NodeRole | None = None
+    declined: Findings = NO_FINDINGS  # what a link found although it did not decide (a refused grid)
     if has_sequence_input and is_grouped_matmul(target):
         result = STAGE_RULES[Stage.GROUPED_MATMUL](node, analysis)
     elif has_sequence_input and target in VIEWS:
         result = STAGE_RULES[Stage.GRID_ENTRY](node, analysis)
+        if result is not None and result.findings.refused_grid is not None:
+            declined, result = result.findings, None  # no grid window: the view rule decides
     if result is not None:
         pass
     elif target in RULES:
@@ -339,10 +367,14 @@ def classify(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
         result = mixing(f"no sharding rule for {op_name(node)}")
     else:
         result = NodeRole(Role.NONE)
-    return _settle(node, analysis, result, has_sequence_input)
+    settled = _settle(node, analysis, result, has_sequence_input)
+    found = declined or result.findings
+    if declined and result.findings:
+        found = replace(result.findings, refused_grid=declined.refused_grid)
+    return replace(settled, findings=found) if settled.findings is not found else settled
 
 
-def _settle(node: fx.Node, analysis: SequenceAnalysis, result: NodeRole, has_sequence_input: bool) -> NodeRole:
+def _settle(node: fx.Node, analysis: AnalysisView, result: NodeRole, has_sequence_input: bool) -> NodeRole:
     """What the rule's answer means for the value it produces, with a reason wherever a
     sequence-indexed input is not kept on the chunk (the sharding gathers it and says why)."""
     settled = _settle_role(node, analysis, result, has_sequence_input)
@@ -354,7 +386,7 @@ def _settle(node: fx.Node, analysis: SequenceAnalysis, result: NodeRole, has_seq
     return settled
 
 
-def _settle_role(node: fx.Node, analysis: SequenceAnalysis, result: NodeRole, has_sequence_input: bool) -> NodeRole:
+def _settle_role(node: fx.Node, analysis: AnalysisView, result: NodeRole, has_sequence_input: bool) -> NodeRole:
     if result.role is Role.NONE or (result.role is Role.TOKEN_LOCAL and not result.sequence_dims):
         if not has_sequence_input or result.role is Role.NONE:
             created = sized_source(node, analysis)
@@ -387,7 +419,7 @@ def _settle_role(node: fx.Node, analysis: SequenceAnalysis, result: NodeRole, ha
     return result
 
 
-def flattened_tokens_kept(node: fx.Node, analysis: SequenceAnalysis) -> tuple[SequenceDim, ...]:
+def flattened_tokens_kept(node: fx.Node, analysis: AnalysisView) -> tuple[SequenceDim, ...]:
     """The one flattened token dimension (``[B*S, E]``) a gathered op's output keeps from its
     inputs: a ``cumsum`` over the flattened tokens of an MoE router is indexed by them as its input
     is, and its token-local consumers must take their chunk of it, as they would of a dimension of

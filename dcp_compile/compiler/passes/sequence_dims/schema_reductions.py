@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Role, SequenceAnalysis
+from dcp_compile.compiler.passes.sequence_dims.model import AnalysisView, NodeRole, Role
 from dcp_compile.compiler.passes.sequence_dims.registry import Stage, argument, mixing, op_name, stage_rule
 from dcp_compile.compiler.passes.sequence_dims.symbolic import equal, normalize, shape_of, value_of
 
@@ -57,7 +57,7 @@ def reduced_dimensions(node: fx.Node) -> tuple[set[int], bool] | None:
 
 
 @stage_rule(Stage.SCHEMA_REDUCTION)
-def schema_reduction_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole | None:
+def schema_reduction_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole | None:
     """A reduction read off its schema and shapes; None when ``node`` is no reduction."""
     found = reduced_dimensions(node)
     if found is None:

@@ -16,7 +16,7 @@ import re
 import torch
 import torch.fx as fx
 
-from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Role, SequenceAnalysis
+from dcp_compile.compiler.passes.sequence_dims.model import AnalysisView, NodeRole, Role
 from dcp_compile.compiler.passes.sequence_dims.registry import mixing, op_name, rule, sequence_inputs
 from dcp_compile.compiler.passes.sequence_dims.symbolic import value_of
 
@@ -41,7 +41,7 @@ SPATIAL_DIMS = {getattr(getattr(aten, name), overload): _spatial_dims(name)
 
 
 @rule(*SPATIAL_DIMS)
-def per_plane_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def per_plane_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """Pooling and resampling: token-local along the dimensions before the spatial ones."""
     source = node.args[0]
     if any(n is not source for n in sequence_inputs(node, analysis)):
@@ -56,7 +56,7 @@ def per_plane_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 
 @rule(aten.convolution.default, aten.group_norm.default)
-def per_sample_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def per_sample_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """Token-local along the batch dimension of a batched input only: a convolution (batched when
     its input has the weight's rank) and a group normalisation (always batched, ``[N, C, *]``)."""
     source = node.args[0]

@@ -18,6 +18,7 @@ whose rows are permuted (a gather would interleave the ranks' local orders).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import sympy
@@ -25,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.compiler.passes.sequence_dims.model import (
-    NodeRole, Rewrite, Role, SequenceAnalysis, SequenceDim, TokenPositions,
+    AnalysisView, Findings, NodeRole, Rewrite, Role, SequenceDim, TokenPositions,
 )
 from dcp_compile.compiler.passes.sequence_dims.registry import (
     Stage, mixing, op_name, pointwise, rule, stage_rule,
@@ -35,14 +36,14 @@ from dcp_compile.compiler.passes.sequence_dims.symbolic import equal, normalize,
 aten = torch.ops.aten
 
 
-def token_dim(node: Any, analysis: SequenceAnalysis) -> SequenceDim | None:
+def token_dim(node: Any, analysis: AnalysisView) -> SequenceDim | None:
     dims = analysis.dims_of(node)
     if len(dims) != 1 or dims[0].dim != 0 or dims[0].before != 0 or dims[0].after != 0:
         return None
     return dims[0]
 
 
-def sort_token_set(node: fx.Node, analysis: SequenceAnalysis, source: fx.Node, dim: int) -> NodeRole | None:
+def sort_token_set(node: fx.Node, analysis: AnalysisView, source: fx.Node, dim: int) -> NodeRole | None:
     """``sort``/``argsort`` of a 1-D token-indexed value (expert ids) along its tokens: the local
     rows sorted locally, with the sort's own indices as positions in that frame."""
     seq = token_dim(source, analysis)
@@ -53,16 +54,15 @@ def sort_token_set(node: fx.Node, analysis: SequenceAnalysis, source: fx.Node, d
     positions = TokenPositions(node, seq.inner)
     out = value_of(node)
     if isinstance(out, (tuple, list)):
-        analysis.positions[(node, 1)] = positions
         return NodeRole(Role.TOKEN_LOCAL, (seq,), (source,), "sorts this rank's tokens (a local permutation)",
-                        element_dims=((seq,), (seq,)), token_order=node)
-    analysis.positions[node] = positions  # argsort: the indices alone
+                        element_dims=((seq,), (seq,)), token_order=node,
+                        findings=Findings(positions=((1, positions),)))  # sort: (values, indices)
     return NodeRole(Role.TOKEN_LOCAL, (seq,), (source,), "sorts this rank's tokens (a local permutation)",
-                    token_order=node)
+                    token_order=node, findings=Findings(positions=((None, positions),)))  # argsort: the indices alone
 
 
 @rule(aten.floor_divide.default, aten.div.Tensor_mode)
-def position_of_token(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def position_of_token(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """``pair_position // k``: from the (token, expert) frame to the token frame."""
     source, divisor = node.args[:2]
     positions = analysis.positions.get(source)
@@ -73,12 +73,13 @@ def position_of_token(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
         return result
     inner = sympy.cancel(positions.inner / divisor)
     if result.role == Role.TOKEN_LOCAL and sympy.fraction(inner)[1] == 1:
-        analysis.positions[node] = TokenPositions(positions.sort, inner, positions.inverse)
+        found = TokenPositions(positions.sort, inner, positions.inverse)
+        return replace(result, findings=Findings(positions=((None, found),)))
     return result
 
 
 @rule(aten.index.Tensor)
-def index_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def index_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """``rows[positions]`` inside a token permutation: gather the local rows in sorted order, or
     put them back in token order with the inverse permutation."""
     source, indices = node.args[:2]
@@ -87,7 +88,7 @@ def index_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 
 @rule(aten.index_select.default)
-def index_select_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def index_select_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """``rows.index_select(0, positions)`` is ``rows[positions]``; along another dimension, a
     selection of features by an index that is not sequence-indexed keeps the tokens apart."""
     source, dim, index = node.args[:3]
@@ -99,7 +100,7 @@ def index_select_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
     return NodeRole(Role.TOKEN_LOCAL, dims, (source,)) if dims else NodeRole(Role.NONE)
 
 
-def rows_at(node: fx.Node, analysis: SequenceAnalysis, source: fx.Node, index: fx.Node | None) -> NodeRole:
+def rows_at(node: fx.Node, analysis: AnalysisView, source: fx.Node, index: fx.Node | None) -> NodeRole:
     """The rows of ``source`` at ``index`` (dimension 0)."""
     positions = analysis.positions.get(index) if index is not None else None
     source_seq = token_dim(source, analysis)
@@ -123,7 +124,7 @@ def rows_at(node: fx.Node, analysis: SequenceAnalysis, source: fx.Node, index: f
 
 
 @rule(aten.index_put_.default, aten.index_put.default)
-def inverse_permutation_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def inverse_permutation_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """``inverse[perm] = arange(n)``: the inverse of a local permutation, built on the local rows."""
     destination, indices, values = node.args[:3]
     index = indices[0] if len(indices) == 1 and isinstance(indices[0], fx.Node) else None
@@ -136,13 +137,14 @@ def inverse_permutation_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeR
     index_seq = token_dim(index, analysis)
     if index_seq is None or not equal(shape_of(value_of(values))[0], shape_of(value_of(index))[0]):
         return mixing("index_put_ of positions that do not cover the tokens")
-    analysis.positions[node] = TokenPositions(positions.sort, positions.inner, inverse=True)
+    inverse = TokenPositions(positions.sort, positions.inner, inverse=True)
     return NodeRole(Role.MIXING, (index_seq,), (index,), "the inverse of a local token permutation",
-                    rewrite=Rewrite.INVERSE_PERMUTATION, token_order=positions.sort)
+                    rewrite=Rewrite.INVERSE_PERMUTATION, token_order=positions.sort,
+                    findings=Findings(positions=((None, inverse),)))
 
 
 @rule(aten.index_add_.default, aten.index_add.default)
-def rows_added_back_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def rows_added_back_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """``out.index_add_(0, token_of_row, rows)``: rows in a local sort's order added back to the
     tokens they came from (an MoE's combine, summing a token's top-k rows), with positions of that
     same sort. Each rank adds its own rows to its own tokens. ``out`` is in token order, or a fresh
@@ -177,7 +179,7 @@ def rows_added_back_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 
 @rule(aten.histc.default, aten.bincount.default)
-def token_count_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def token_count_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """Counts over this rank's (sorted) tokens: the group sizes of its own rows."""
     source = node.args[0]
     if analysis.dims_of(source) and analysis.roles[source].token_order is not None:
@@ -188,7 +190,7 @@ def token_count_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 
 @stage_rule(Stage.GROUPED_MATMUL)
-def grouped_matmul_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def grouped_matmul_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """``grouped_mm(rows, weights, offsets)``: each row times its group's weight; with the groups
     counted from the same local rows, a row-wise op."""
     rows, weights = node.args[:2]
@@ -204,7 +206,7 @@ def grouped_matmul_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 @rule(aten.topk.default, aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable,
       aten.kthvalue.default)
-def select_along_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def select_along_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """Sorting or picking the top-k along a feature dimension (a router over experts) keeps tokens apart."""
     source = node.args[0]
     rank = value_of(source).dim()

@@ -8,7 +8,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from dcp_compile.compiler.passes.sequence_dims.model import NodeRole, Role, SequenceAnalysis, SequenceDim
+from dcp_compile.compiler.passes.sequence_dims.model import AnalysisView, NodeRole, Role, SequenceDim
 from dcp_compile.compiler.passes.sequence_dims.registry import VIEWS, mixing, rule, sequence_inputs, single
 from dcp_compile.compiler.passes.sequence_dims.symbolic import (
     equal, map_through_view, normalize, product, shape_of, value_of,
@@ -18,7 +18,7 @@ aten = torch.ops.aten
 
 
 @rule(*VIEWS)
-def view_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def view_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     if not sequence_inputs(node, analysis):
         return NodeRole(Role.NONE)
     source = node.args[0]
@@ -62,7 +62,7 @@ def permutation(node: fx.Node) -> list[int]:
 
 
 @rule(aten.permute.default, aten.transpose.int, aten.t.default, aten.mT.default)
-def permute_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def permute_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     source = node.args[0]
     order = permutation(node)
     dims = tuple(seq.moved(order.index(seq.dim)) for seq in analysis.dims_of(source))
@@ -70,7 +70,7 @@ def permute_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 
 @rule(aten.expand.default)
-def expand_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def expand_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     source = node.args[0]
     offset = value_of(node).dim() - value_of(source).dim()
     dims = tuple(seq.moved(seq.dim + offset) for seq in analysis.dims_of(source))
@@ -78,7 +78,7 @@ def expand_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 
 @rule(aten.view_as_complex.default, aten.view_as_real.default)
-def complex_view_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def complex_view_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """Complex RoPE (``view_as_complex(x.reshape(..., -1, 2)) * freqs``): the pair of reals that
     becomes one complex number is the last dimension, never the sequence."""
     source = node.args[0]
@@ -90,7 +90,7 @@ def complex_view_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 
 @rule(aten.repeat.default)
-def repeat_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def repeat_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     """``x.repeat(1, 2)`` tiles features; it keeps tokens apart unless it tiles the sequence."""
     source, repeats = node.args[:2]
     offset = len(repeats) - value_of(source).dim()  # repeat may add leading dimensions
@@ -104,7 +104,7 @@ def repeat_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
 
 
 @rule(aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor)
-def repeat_interleave_rule(node: fx.Node, analysis: SequenceAnalysis) -> NodeRole:
+def repeat_interleave_rule(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     source = node.args[0]
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
     if dim is None:
