@@ -98,6 +98,7 @@ def profile_of(spec: ModelSpec):
         return ModelProfile.transformer(
             "tinygpt", num_layers=spec.layers, hidden_size=spec.hidden, num_heads=spec.heads,
             ffn_hidden_size=4 * spec.hidden, vocab_size=spec.vocab, causal=True, rotary=True, dtype_bytes=4,
+            fused_qkv=not spec.copied_v,  # TinyGPT's q, k, v are slices of one projection
         )
     return ModelProfile.transformer(
         spec.name, num_layers=spec.layers, hidden_size=spec.hidden, num_heads=spec.heads,
@@ -324,12 +325,13 @@ REGION_NOTES = [
      "(TinyGPT, 8192) and 1.33x (DiT) the whole-graph peak, `attention` 1.17x, 1.19x and 1.14x; the whole-graph price "
      "of those regional points misses by -14%, -26% and -18% (`full`), -16%, -16% and -5% (`attention`). At SP 2 "
      "the two are alike (TinyGPT 0.94x-0.97x; DiT `full` 1.10x, 1.08x priced: a residual per cross-attention more)."),
-    ("TinyGPT at SP 1 under regional `attention` (-7.3%, -7.4%) and `full` (-11.6% at both lengths): its v is a view "
-     "of the fused q/k/v projection while q and k are rotated copies, so the attention's checkpoint keeps the whole "
-     "projection: 5 hidden-wide tensors per layer for the 3 priced (the whole-graph `none` rows' -7% has the same "
-     "cause). `tinygpt-copied-v` is TinyGPT with `v.contiguous()` in its blocks: the same points read +1.2% and "
-     "-0.2%. The profile does not say whether a model's q, k, v are views of one projection; such a model "
-     "(fused q/k/v and a rotation or norm of q and k) keeps 2 hidden-wide tensors per layer more than priced there."),
+    ("TinyGPT at SP 1 under regional `attention` and `full`: its v is a view of the fused q/k/v projection while q "
+     "and k are rotated copies, so the attention's checkpoint keeps the whole projection: 5 hidden-wide tensors per "
+     "layer, not 3. Priced since 2026-12-06 (`ModelProfile.attention_input_storage_bytes_per_token`: "
+     "`transformer(fused_qkv=True)`, or read off the storages behind the attention's q, k, v by `ModelProfile.measure`); "
+     "before, these rows read -7.3%, -7.4% (`attention`) and -11.6% (`full`). `tinygpt-copied-v` is TinyGPT with "
+     "`v.contiguous()` in its blocks, priced without it. The whole-graph `none` rows' -7% at SP 1 has the same cause "
+     "(v's view keeps the projection) and is not priced yet."),
     ("Regional `none` measured 4-5% below whole-graph `none` (TinyGPT; each region is partitioned apart): not "
      "investigated, priced as whole (-3% to +1%)."),
     ("Not measured: a ring layout (the SP size does not divide the heads) under regions, priced as `none` there "

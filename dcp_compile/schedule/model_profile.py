@@ -111,6 +111,7 @@ class ModelProfile:
     num_cross_attention_layers: int = 0
     vocab_size: int = 0
     loss_chunk_tokens: int = 0
+    attention_input_storage_bytes_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         # `block` keeps and recomputes at SP 1 what `full` does (it differs only in the all-to-alls):
@@ -343,10 +344,17 @@ class ModelProfile:
     def attention_input_bytes_per_token(self, sp_size: int) -> float:
         """Bytes per token of a rank's share of one self-attention's q, k and v as the attention op
         receives them: the local ones at SP 1, the all-to-alls' outputs (KV heads replicated up to
-        the SP size) beyond."""
+        the SP size) beyond. At SP 1, where q, k and v are views of one fused projection whose q
+        and k are rotated (or normalised) into copies, the projection stays alive too: the storages
+        behind them (:attr:`attention_input_storage_bytes_per_token`, measured by
+        :meth:`measure`, or ``fused_qkv`` in :meth:`transformer`) are what a checkpoint keeps."""
         dtype, h = self.activation_dtype_bytes, self.hidden_size
         kv_heads = max(1, self.num_kv_heads)
-        return float(dtype * (h + 2 * self.head_dim * (max(kv_heads, sp_size) if sp_size > 1 else kv_heads)))
+        priced = float(dtype * (h + 2 * self.head_dim * (max(kv_heads, sp_size) if sp_size > 1 else kv_heads)))
+        if sp_size > 1:  # the all-to-alls' outputs are tensors of their own
+            return priced
+        # At SP 1 a kept view keeps its whole storage: ``attention_input_storage_bytes_per_token``.
+        return max(priced, float(self.attention_input_storage_bytes_per_token))
 
     def cross_attention_width_bytes(self, sp_size: int) -> float:
         """Bytes per token of a rank's share of a cross-attention's queries (or output) as the
@@ -608,6 +616,7 @@ class ModelProfile:
         optimizer_bytes_per_parameter: int = 12,
         extra_parameters: int = 0,
         loss_chunk_tokens: int | None = None,
+        fused_qkv: bool = False,
     ) -> "ModelProfile":
         """A profile from the shape of a standard pre-norm transformer.
 
@@ -620,6 +629,9 @@ class ModelProfile:
         outputs and the gated branches' outputs are kept too. ``loss_chunk_tokens``: the chunk of the tiled loss the
         compiler builds for a language model under every policy but ``none`` (the backend's
         ``loss_chunk``; None: its default for the vocabulary; 0: price the loss untiled).
+        ``fused_qkv``: q, k and v are slices of one projection (GPT-NeoX's ``query_key_value``,
+        Phi-3's ``qkv_proj``); with ``rotary`` the rotated q and k are copies, so an attention
+        checkpoint at SP 1 keeps the projection beside them.
         """
         return cls(**transformer_fields(
             name, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -627,7 +639,7 @@ class ModelProfile:
             cross_attention_tokens=cross_attention_tokens, output_channels=output_channels, rotary=rotary,
             adaptive_norm=adaptive_norm, dtype_bytes=dtype_bytes,
             gradient_dtype_bytes=gradient_dtype_bytes, optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
-            extra_parameters=extra_parameters, loss_chunk_tokens=loss_chunk_tokens,
+            extra_parameters=extra_parameters, loss_chunk_tokens=loss_chunk_tokens, fused_qkv=fused_qkv,
         ))
 
     @classmethod

@@ -84,6 +84,7 @@ def transformer_fields(
     optimizer_bytes_per_parameter: int = 12,
     extra_parameters: int = 0,
     loss_chunk_tokens: int | None = None,
+    fused_qkv: bool = False,
 ) -> dict[str, Any]:
     """The :class:`ModelProfile` fields of a standard pre-norm transformer (see the module docstring)."""
     kv_heads = num_kv_heads or num_heads
@@ -166,6 +167,9 @@ def transformer_fields(
         num_cross_attention_layers=num_layers if cross_attention_tokens else 0,
         vocab_size=int(vocab_size),
         loss_chunk_tokens=int(loss_chunk_tokens) if tiled else 0,
+        # A fused projection (h + 2 kv wide) alive behind v's view, beside the rotated q and k copies.
+        attention_input_storage_bytes_per_token=float(dtype_bytes * (2 * h + 3 * kv_width))
+        if fused_qkv and rotary else 0.0,
     )
 
 

@@ -50,7 +50,11 @@ def measure_fields(
                 # diffusers' attention processors pass query and key by keyword.
                 query = args[0] if len(args) > 0 else kwargs["query"]
                 key = args[1] if len(args) > 1 else kwargs["key"]
-                attention_calls.append((query.shape[-3], key.shape[-3], query.shape[-1], query.shape[-2]))
+                value = args[2] if len(args) > 2 else kwargs["value"]
+                storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (query, key, value)}
+                tokens = max(1, query.numel() // (query.shape[-3] * query.shape[-1]))
+                attention_calls.append((query.shape[-3], key.shape[-3], query.shape[-1], query.shape[-2],
+                                        sum(storages.values()) / tokens))
             return func(*args, **(kwargs or {}))
 
     was_training = model.training
@@ -92,9 +96,9 @@ def measure_fields(
 
     attention_layers = len(attention_calls)
     if attention_calls:
-        heads, kv_heads, head_dim, _ = attention_calls[0]
+        heads, kv_heads, head_dim, _, storage_bytes = attention_calls[0]
     else:
-        heads, kv_heads, head_dim = 1, 1, 1
+        heads, kv_heads, head_dim, storage_bytes = 1, 1, 1, 0.0
     layers = num_layers or max(1, attention_layers)
     hidden = heads * head_dim
     dtype_bytes = parameters[0].element_size() if parameters else 4
@@ -108,6 +112,10 @@ def measure_fields(
     recompute = transformer_fields(
         "shape", num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, dtype_bytes=dtype_bytes,
     )["recompute_forward_fraction"]
+    # What the storages behind q, k, v hold beyond q, k, v themselves (a fused projection kept
+    # alive by a view): what an attention checkpoint keeps at SP 1.
+    qkv_bytes = dtype_bytes * (heads + 2 * kv_heads) * head_dim
+    storage_bytes = float(storage_bytes) if storage_bytes > 1.01 * qkv_bytes else 0.0
     parameter_bytes = float(sum(p.numel() * p.element_size() for p in parameters))
     parameter_count = float(sum(p.numel() for p in parameters))
     return dict(
@@ -128,6 +136,7 @@ def measure_fields(
         optimizer_bytes=8 * parameter_count,
         activation_dtype_bytes=dtype_bytes,
         causal=causal,
+        attention_input_storage_bytes_per_token=storage_bytes,
     )
 
 
