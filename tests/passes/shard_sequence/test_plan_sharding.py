@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from rule_helpers import analysed, node, size, trace
 
 from dcp_compile.compiler.passes.sequence_dims import Rewrite, Role, SequenceAnalysis
-from dcp_compile.compiler.passes.shard_sequence import LOWERINGS, plan_sharding
+from dcp_compile.compiler.passes.shard_sequence import LOWERINGS, OpForm, plan_sharding
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -45,5 +45,5 @@ def test_no_attention_length_plans_nothing():
     assert not plan_sharding(SequenceAnalysis(length=None)).sharded_nodes
 
 
-def test_attention_and_every_rewrite_have_their_lowering():
-    assert set(LOWERINGS) == set(Rewrite) | {Role.ATTENTION}
+def test_attention_every_rewrite_and_every_op_form_have_their_lowering():
+    assert set(LOWERINGS) == set(Rewrite) | {Role.ATTENTION} | set(OpForm)

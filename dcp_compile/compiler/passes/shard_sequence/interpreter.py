@@ -9,7 +9,6 @@ chunks and hands attention and every ``Rewrite`` to the lowering registered for 
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Any
 
 import sympy
@@ -19,17 +18,18 @@ import torch.fx as fx
 from dcp_compile.compiler import collectives
 from dcp_compile.compiler.passes.context import PassContext
 from dcp_compile.compiler.passes.find_attention import SDPA
-from dcp_compile.compiler.passes.sequence_dims import VIEWS, GridRegion, Role, SequenceAnalysis, SequenceDim, expression
+from dcp_compile.compiler.passes.sequence_dims import GridRegion, Role, SequenceAnalysis, SequenceDim, expression
 from dcp_compile.compiler.passes.sequence_dims.registry import METADATA_READS
 from dcp_compile.compiler.passes.sequence_dims.inplace_writes import alias_groups
-from dcp_compile.compiler.passes.shard_sequence.lowerings import LOWERINGS, CannotShard, GatherRecord, WriteRefused
+from dcp_compile.compiler.passes.shard_sequence.lowerings import (
+    LOWERINGS, CannotShard, GatherRecord, Layout, Lowered, LoweringContext, LoweringKey, Path, Site, WriteRefused, select_form,
+)
 from dcp_compile.compiler.passes.shard_sequence.plan import ShardPlan
 from dcp_compile.compiler.sequence_chunks import chunk_start
 from dcp_compile.compiler.symbolic_sizes import SymbolicSizes, UnknownSymbol
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
-SCALAR_READS = (aten.item.default, aten._local_scalar_dense.default)
 
 
 def _is_tensor(value: Any) -> bool:
@@ -189,13 +189,13 @@ class ShardingInterpreter(fx.Interpreter):
             return torch.cat([value.narrow(seq.dim, 0, before),
                               collectives.narrow_to_chunk(middle, seq.dim, self.length, self.sp_size, self.rank),
                               value.narrow(seq.dim, before + self.length, after)], seq.dim)
-        outer, inner = self._factors(seq)
+        outer, inner = self.factors(seq)
         shape = value.shape
         split = value.reshape(*shape[: seq.dim], outer, self.length, inner, *shape[seq.dim + 1 :])
         local = collectives.narrow_to_chunk(split, seq.dim + 1, self.length, self.sp_size, self.rank)
         return local.flatten(seq.dim, seq.dim + 2)
 
-    def _factors(self, seq: SequenceDim) -> tuple[Any, Any]:
+    def factors(self, seq: SequenceDim) -> tuple[Any, Any]:
         """``outer`` and ``inner`` of a flattened sequence dimension (``[B*S, V]`` logits with a
         symbolic batch B), as ints or as SymInts of this trace."""
         return self.symbolic.evaluate(seq.outer), self.symbolic.evaluate(seq.inner)
@@ -212,7 +212,7 @@ class ShardingInterpreter(fx.Interpreter):
                                                  self.sp_size, self.group)
             return torch.cat([value.narrow(seq.dim, 0, before), middle,
                               value.narrow(seq.dim, before + local, after)], seq.dim)
-        outer, inner = self._factors(seq)
+        outer, inner = self.factors(seq)
         shape = value.shape
         split = value.reshape(*shape[: seq.dim], outer, -1, inner, *shape[seq.dim + 1 :])
         full = collectives.gather_sequence(split, seq.dim + 1, self.length, self.sp_size, self.group)
@@ -380,7 +380,7 @@ class ShardingInterpreter(fx.Interpreter):
                 return None  # runs on the rank's heads when its region's output is reached
             if n in self.plan.sharded_nodes:
                 try:
-                    value = self._run_sharded(n)
+                    lowered = self._run_sharded(n)
                 except (CannotShard, UnknownSymbol) as why:
                     if n in self.write_groups:
                         # On a gathered copy the write would never reach the buffer's chunk: the
@@ -395,17 +395,16 @@ class ShardingInterpreter(fx.Interpreter):
                     value = self.run_full(n, reason=f"no chunked form: {why}")
                     self.full[n] = value
                     return value
-                role = self.analysis.roles[n]
-                if role.rewrite and not role.sequence_dims and not any(role.element_dims or ()):
-                    self.full[n] = value  # a rewrite reduces over the sequence: its result is full
+                if lowered.layout is Layout.FULL:
+                    self.full[n] = lowered.value  # a rewrite reduces over the sequence: its result is full
                 else:
-                    self.chunk[n] = value
+                    self.chunk[n] = lowered.value
                 for member in self.write_groups.get(n, ()):
                     self.full.pop(member, None)  # written on the chunk: a gathered copy is stale
-                return value
+                return lowered.value
             region = self.analysis.grid_members.get(n)
             if region is not None and region.entry in self.grid_windows:
-                value = self._run_in_grid_window(n, region)
+                value = self._run_in_grid_window(n)
             else:
                 value = self.run_full(n)
             self.full[n] = value
@@ -415,126 +414,112 @@ class ShardingInterpreter(fx.Interpreter):
                 self._learn_length(value, role.sequence_dims[0])
             return value
 
+    def _lower(self, key: LoweringKey, context: LoweringContext) -> Lowered:
+        """``key``'s lowering of the context's node; its notes go to the record here, its value
+        to the maps by the caller (the one place that stores either)."""
+        lowered = LOWERINGS[key](context)
+        if not isinstance(lowered, Lowered):
+            raise TypeError(f"the lowering of {key!r} returned {type(lowered).__name__}, not Lowered")
+        n = context.node
+        if lowered.rewrite is not None:
+            self.rewrites.append(f"{n.name}: {lowered.rewrite}")
+        if lowered.site is Site.SHARDED:
+            self.sharded_sites.append(n.name)
+        elif lowered.site is Site.RANK_LOCAL:
+            self.rank_local_sites.append(n.name)
+        elif lowered.site is Site.REPLICATED:
+            self.replicated_sites.append(n.name)
+        elif lowered.site is Site.UNSHARDED:
+            self.unsharded_sites.append((n.name, lowered.site_reason))
+        if lowered.window_units is not None:
+            self.grid_windows[n] = lowered.window_units
+        return lowered
+
+    def _lower_form(self, context: LoweringContext) -> Lowered | None:
+        """The node through its ``OpForm`` on the context's path, None when it has none."""
+        form = select_form(context)
+        return None if form is None else self._lower(form, context)
+
+    def _run_sharded(self, n: fx.Node) -> Lowered:
+        role = self.analysis.roles[n]
+        context = LoweringContext(self, n, Path.CHUNK)
+        if role.role is Role.ATTENTION:
+            return self._lower(Role.ATTENTION, context)
+        if role.rewrite is not None:
+            return self._lower(role.rewrite, context)
+        lowered = self._lower_form(context)
+        if lowered is not None:
+            return lowered
+        return context.lowered(self.run_generic(n, Path.CHUNK))
+
     def run_full(self, n: fx.Node, reason: str = "") -> Any:
-        if n.op == "call_function" and n.target is aten.sym_size.int:
-            return self._sym_size(n)
-        if (n.op == "call_function" and n.target is operator.getitem and n.args[0] in self.chunk
-            and not self.analysis.dims_of(n.args[0], n.args[1])):
-            return self.chunk[n.args[0]][n.args[1]]  # an element that is whole on every rank
-        if n.op == "call_function" and n.target in SCALAR_READS and n.args[0] in self.scalar_values:
-            return self.scalar_values[n.args[0]]
-        if self.sp_size > 1 and n.op == "call_function" and (n.target is SDPA or n in self.analysis.regions):
-            query = self.analysis.regions[n].query if n in self.analysis.regions else n.args[0]
-            if not self.analysis.dims_of(query) and expression(query.meta["val"].shape[-2]) != self.analysis.length:
-                # Over another, unsharded sequence (a text encoder's tokens, an audio stream):
-                # every rank computes it whole, as eager does; nothing to shard.
-                self.replicated_sites.append(n.name)
-            else:
-                role = self.analysis.roles.get(n)
-                self.unsharded_sites.append((n.name, role.reason if role is not None and role.reason else
-                                             "its region holds no sequence-sharded value"))
-        # Arguments read only for their dtype and device: any layout at hand will do.
-        metadata = METADATA_READS.get(n.target, ()) if n.op == "call_function" else ()
-        args = tuple(self._any_layout(a) if i in metadata else fx.map_arg(a, lambda a: self.as_full(a, reason, consumer=n))
-                     for i, a in enumerate(n.args))
-        kwargs = fx.map_arg(n.kwargs, lambda a: self.as_full(a, reason, consumer=n))
+        """``n`` on full inputs (gathered for it with ``reason``): its full value."""
+        lowered = self._lower_form(LoweringContext(self, n, Path.FULL, reason))
+        if lowered is not None:
+            return lowered.value
+        return self.run_generic(n, Path.FULL, reason)
+
+    def _run_in_grid_window(self, n: fx.Node) -> Any:
+        lowered = self._lower_form(LoweringContext(self, n, Path.WINDOW))
+        if lowered is not None:
+            return lowered.value
+        return self.run_generic(n, Path.WINDOW)
+
+    def run_generic(self, n: fx.Node, path: Path, reason: str = "") -> Any:
+        """``n`` as any op runs on ``path``: its arguments in the path's layouts, then the op."""
+        if path is Path.CHUNK:
+            args, kwargs = self.chunk_args(n)
+            return getattr(self, n.op)(n.target, args, kwargs)
+        if path is Path.WINDOW:
+            args, kwargs = fx.map_arg(n.args, self.as_full), fx.map_arg(n.kwargs, self.as_full)
+            return getattr(self, n.op)(n.target, args, kwargs)
+        args, kwargs = self.full_args(n, reason)
         target = n.target
         if target in (aten.view.default, aten._unsafe_view.default):
             target = aten.reshape.default  # a gathered value need not be viewable where the original was
         return getattr(self, n.op)(target, args, kwargs)
 
-    def _any_layout(self, node: Any) -> Any:
+    def chunk_args(self, n: fx.Node, metadata: tuple[int, ...] | None = None) -> tuple[tuple, dict]:
+        """``n``'s arguments on chunks: aligned inputs in chunks, the rest full (a gather for
+        ``n``), arguments read only for their metadata (``metadata``, by default the op's
+        ``METADATA_READS``) in whichever layout is at hand."""
+        aligned = set(self.analysis.roles[n].aligned_inputs)
+        if metadata is None:
+            metadata = METADATA_READS.get(n.target, ())
+        args = tuple(self.any_layout(a) if i in metadata and a not in aligned else
+                     fx.map_arg(a, lambda a: self.as_chunk(a) if a in aligned else self.as_full(a, consumer=n))
+                     for i, a in enumerate(n.args))
+        kwargs = fx.map_arg(n.kwargs, lambda a: self.as_chunk(a) if a in aligned else self.as_full(a, consumer=n))
+        return args, kwargs
+
+    def full_args(self, n: fx.Node, reason: str = "") -> tuple[tuple, dict]:
+        """``n``'s arguments in full (each gather recorded with ``reason``); arguments read only
+        for their dtype and device in any layout at hand."""
+        metadata = METADATA_READS.get(n.target, ()) if n.op == "call_function" else ()
+        args = tuple(self.any_layout(a) if i in metadata else fx.map_arg(a, lambda a: self.as_full(a, reason, consumer=n))
+                     for i, a in enumerate(n.args))
+        kwargs = fx.map_arg(n.kwargs, lambda a: self.as_full(a, reason, consumer=n))
+        return args, kwargs
+
+    def any_layout(self, node: Any) -> Any:
         """``node``'s value in whichever layout is at hand, full or chunk, for a read of its metadata."""
         if isinstance(node, fx.Node) and node not in self.full and node in self.chunk:
             return self.chunk[node]
         return self.as_full(node)
-
-    def _sym_size(self, n: fx.Node) -> Any:
-        source, dim = n.args
-        if source in self.full:
-            return self.full[source].size(dim)
-        seq = self.seq_of(source)
-        if dim % self.chunk[source].dim() != seq.dim:
-            return self.chunk[source].size(dim)
-        if seq.joint:
-            before, after = self.segments(seq)
-            return before + self.length + after
-        outer, inner = self._factors(seq)
-        return self.length * outer * inner
-
-    def _run_sharded(self, n: fx.Node) -> Any:
-        role = self.analysis.roles[n]
-        aligned = set(role.aligned_inputs)
-        if role.role is Role.ATTENTION:
-            return LOWERINGS[Role.ATTENTION](self, n)
-        if role.rewrite is not None:
-            return LOWERINGS[role.rewrite](self, n)
-        metadata = METADATA_READS.get(n.target, ())
-        if n.target in (aten.view_as.default, aten.reshape_as.default):
-            metadata = (1,)  # the template's sizes are replaced by this rank's (``_local_sizes``): never gather it
-        args = tuple(self._any_layout(a) if i in metadata and a not in aligned else
-                     fx.map_arg(a, lambda a: self.as_chunk(a) if a in aligned else self.as_full(a, consumer=n))
-                     for i, a in enumerate(n.args))
-        kwargs = fx.map_arg(n.kwargs, lambda a: self.as_chunk(a) if a in aligned else self.as_full(a, consumer=n))
-        target = n.target
-        if target is SDPA:
-            self.rank_local_sites.append(n.name)  # attention over a dimension this rank holds whole
-        if target in VIEWS or target is aten.expand.default:
-            args = self._local_sizes(n, args)
-            if target in (aten.view.default, aten._unsafe_view.default, aten.view_as.default, aten.reshape_as.default):
-                # a chunk may not be viewable where the full value was; view_as/reshape_as now
-                # carry this rank's sizes (``_local_sizes``), not the full-size template
-                target = aten.reshape.default
-        elif target in (aten.slice.Tensor, aten.narrow.default):
-            source_seq = self.seq_of(n.args[0])
-            dim = args[1] % args[0].dim()
-            if dim == source_seq.dim:  # a slice that keeps the whole sequence
-                return args[0]
-        return getattr(self, n.op)(target, args, kwargs)
-
-    def _local_sizes(self, n: fx.Node, args: tuple) -> tuple:
-        """Replace the sequence entry of a size list by -1; a view then fits any chunk."""
-        target = n.target
-        if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
-            sizes, offset = list(args[1]), 0
-        elif target is aten.unflatten.int:
-            sizes, offset = list(args[2]), args[1] % (args[0].dim())
-        elif target in (aten.view_as.default, aten.reshape_as.default):
-            # The full-size template is not this rank's shape: reshape to the output's own sizes.
-            sizes = self._output_sizes(n)
-            return (args[0], sizes)
-        else:
-            return args
-        out_dim = self.seq_of(n).dim - offset
-        if not 0 <= out_dim < len(sizes):
-            return args
-        static = n.meta["val"].shape
-        for index, size in enumerate(sizes):
-            if index != out_dim and isinstance(size, int) and size == -1 and target is not aten.expand.default:
-                # A second inferred size (``ids.view(-1, S)`` with a symbolic batch): spell it out.
-                sizes[index] = self.symbolic.evaluate(expression(static[index + offset]))
-        sizes[out_dim] = -1
-        if target is aten.unflatten.int:
-            return (args[0], args[1], sizes, *args[3:])
-        return (args[0], sizes, *args[2:])
-
-    def _output_sizes(self, n: fx.Node) -> list[Any]:
-        """The output's sizes on this rank: the traced sizes, -1 at the sequence dimension."""
-        seq = self.seq_of(n)
-        sizes = [self.symbolic.evaluate(expression(size)) for size in n.meta["val"].shape]
-        sizes[seq.dim] = -1
-        return sizes
 
     # --- grid windows (see sequence_dims/grid_rules and grid_windows) --------------------------
 
     def window_arguments(self, region: GridRegion) -> tuple:
         return (self.length, self.symbolic.evaluate(region.unit), region.radius, self.sp_size, self.rank)
 
-    def window_sizes(self, n: fx.Node, region: GridRegion, tokens_dim: int | None = None) -> list[Any]:
+    def window_sizes(self, n: fx.Node, region: GridRegion, tokens_dim: int | None = None,
+                     units: Any = None) -> list[Any]:
         """``n``'s sizes on this rank's window: the traced sizes, with the outermost grid steps
-        (or, at an exit, the tokens) of the window instead of the whole grid's."""
+        (or, at an exit, the tokens) of the window instead of the whole grid's. ``units``: the
+        window's steps, given at its entry (stored once the entry's lowering returns)."""
         sizes = [self.symbolic.evaluate(expression(size)) for size in n.meta["val"].shape]
-        units = self.grid_windows[region.entry]
+        if units is None:
+            units = self.grid_windows[region.entry]
         if tokens_dim is not None:
             sizes[tokens_dim] = units * self.symbolic.evaluate(region.unit)
         else:
@@ -542,18 +527,6 @@ class ShardingInterpreter(fx.Interpreter):
             sizes[grid_dim.dim] = (self.symbolic.evaluate(grid_dim.outer) * units
                                    * self.symbolic.evaluate(grid_dim.inner))
         return sizes
-
-    def _run_in_grid_window(self, n: fx.Node, region: GridRegion) -> Any:
-        if n.target is aten.sym_size.int:
-            return self.symbolic.evaluate(expression(n.meta["val"]))  # the whole grid's size, as traced
-        args = fx.map_arg(n.args, self.as_full)
-        kwargs = fx.map_arg(n.kwargs, self.as_full)
-        target = n.target
-        if target in VIEWS:
-            return args[0].reshape(self.window_sizes(n, region))
-        if target is aten.expand.default:
-            return args[0].expand(self.window_sizes(n, region))
-        return getattr(self, n.op)(target, args, kwargs)
 
     # --- outputs ---------------------------------------------------------------------------
 

@@ -3,34 +3,32 @@ loss sum or owning rank's position, then one all-reduce over the SP group."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import networkx as nx
 import torch
 import torch.fx as fx
 
 from dcp_compile.compiler import collectives
 from dcp_compile.compiler.passes.sequence_dims import Rewrite
-from dcp_compile.compiler.passes.shard_sequence.interpreter import ShardingInterpreter
-from dcp_compile.compiler.passes.shard_sequence.lowerings import lowering
+from dcp_compile.compiler.passes.shard_sequence.lowerings import Lowered, LoweringContext, lowering
 from dcp_compile.compiler.sequence_chunks import chunk_start
 
 aten = torch.ops.aten
 
 
-def sum_over_group(sharding: ShardingInterpreter, partial: torch.Tensor, n: fx.Node) -> torch.Tensor:
+def sum_over_group(context: LoweringContext, partial: torch.Tensor) -> torch.Tensor:
     """The sum of the ranks' ``partial``: when nothing sharded reads it downstream (a loss
     that is returned as it is), backward needs no collective for it."""
-    if sharding.plan.sharded_nodes.isdisjoint(nx.descendants(sharding.analysis.graph, n)):
-        return collectives.all_reduce_sum_for_replicated_use(partial, sharding.group, sharding.sp_size)
-    return collectives.all_reduce_sum(partial, sharding.group)
+    if context.plan.sharded_nodes.isdisjoint(nx.descendants(context.analysis.graph, context.node)):
+        return collectives.all_reduce_sum_for_replicated_use(partial, context.group, context.sp_size)
+    return collectives.all_reduce_sum(partial, context.group)
 
 
 @lowering(Rewrite.SUM_OVER_SEQUENCE)
-def lower_sum_over_sequence(sharding: ShardingInterpreter, n: fx.Node) -> Any:
+def lower_sum_over_sequence(context: LoweringContext) -> Lowered:
+    n = context.node
     source = n.args[0]
-    local = sharding.as_chunk(source)
-    seq = sharding.seq_of(source)
+    local = context.chunk_of(source)
+    seq = context.seq_of(source)
     rank = local.dim()
     if n.target in (aten.sum.default, aten.mean.default):
         dims, keepdim = list(range(rank)), False
@@ -40,33 +38,34 @@ def lower_sum_over_sequence(sharding: ShardingInterpreter, n: fx.Node) -> Any:
         keepdim = bool(n.args[2]) if len(n.args) > 2 else bool(n.kwargs.get("keepdim", False))
     dtype = n.kwargs.get("dtype")
     partial = local.sum(dims, keepdim=keepdim, dtype=dtype)
-    total = sum_over_group(sharding, partial, n)
-    sharding.rewrites.append(f"{n.name}: local sum + all-reduce")
+    total = sum_over_group(context, partial)
     if n.target in (aten.mean.default, aten.mean.dim):
-        outer, inner = (1, 1) if seq.plain else sharding._factors(seq)  # tokens flattened with the batch
-        count = sharding.length * outer * inner
+        outer, inner = (1, 1) if seq.plain else context.factors(seq)  # tokens flattened with the batch
+        count = context.length * outer * inner
         for d in dims:
             if d != seq.dim:
                 count = count * local.shape[d]
         total = total / count
-    return total
+    return context.lowered(total, rewrite="local sum + all-reduce")
 
 
 @lowering(Rewrite.CONTRACT_OVER_SEQUENCE)
-def lower_contract_over_sequence(sharding: ShardingInterpreter, n: fx.Node) -> Any:
-    partial = getattr(sharding, n.op)(n.target, (sharding.as_chunk(n.args[0]), sharding.as_chunk(n.args[1])), n.kwargs)
-    sharding.rewrites.append(f"{n.name}: local matmul over the chunk + all-reduce")
-    return collectives.all_reduce_sum(partial, sharding.group)
+def lower_contract_over_sequence(context: LoweringContext) -> Lowered:
+    n = context.node
+    partial = context.run_op(n.op, n.target, (context.chunk_of(n.args[0]), context.chunk_of(n.args[1])), n.kwargs)
+    return context.lowered(collectives.all_reduce_sum(partial, context.group),
+                           rewrite="local matmul over the chunk + all-reduce")
 
 
 @lowering(Rewrite.LOSS_OVER_SEQUENCE)
-def lower_loss_over_sequence(sharding: ShardingInterpreter, n: fx.Node) -> Any:
-    logits, target = sharding.as_chunk(n.args[0]), sharding.as_chunk(n.args[1])
+def lower_loss_over_sequence(context: LoweringContext) -> Lowered:
+    n = context.node
+    logits, target = context.chunk_of(n.args[0]), context.chunk_of(n.args[1])
     op = n.target
     names = ["weight", "reduction", "ignore_index", "label_smoothing"]
     extra = {name: value for name, value in zip(names, n.args[2:])}
     extra.update({k: v for k, v in n.kwargs.items()})
-    weight = sharding.as_full(extra.get("weight"), consumer=n) if isinstance(extra.get("weight"), fx.Node) else extra.get("weight")
+    weight = context.full_of(extra.get("weight"), consumer=n) if isinstance(extra.get("weight"), fx.Node) else extra.get("weight")
     reduction = extra.get("reduction", 1)
     ignore_index = extra.get("ignore_index", -100)
     args = [logits, target, weight, 2, ignore_index]
@@ -80,22 +79,23 @@ def lower_loss_over_sequence(sharding: ShardingInterpreter, n: fx.Node) -> Any:
         count = valid.sum().to(local_sum.dtype)
     else:
         count = torch.where(valid, weight[target.clamp(min=0)], 0).sum().to(local_sum.dtype)
-    totals = sum_over_group(sharding, torch.stack([local_sum, count]), n)
-    sharding.rewrites.append(f"{n.name}: shard-local {op.__name__ if hasattr(op, '__name__') else op} + all-reduce")
-    return totals[0] / totals[1] if reduction == 1 else totals[0]
+    totals = sum_over_group(context, torch.stack([local_sum, count]))
+    return context.lowered(totals[0] / totals[1] if reduction == 1 else totals[0],
+                           rewrite=f"shard-local {op.__name__ if hasattr(op, '__name__') else op} + all-reduce")
 
 
 @lowering(Rewrite.SELECT_POSITION)
-def lower_select_position(sharding: ShardingInterpreter, n: fx.Node) -> Any:
+def lower_select_position(context: LoweringContext) -> Lowered:
+    n = context.node
     source, dim, index = n.args
-    local = sharding.as_chunk(source)
+    local = context.chunk_of(source)
     dim = dim % local.dim()
-    position = index if index >= 0 else sharding.length + index
-    start = chunk_start(sharding.length, sharding.sp_size, sharding.rank)
+    position = index if index >= 0 else context.length + index
+    start = chunk_start(context.length, context.sp_size, context.rank)
     positions = torch.arange(local.shape[dim], device=local.device) + start
     weight = (positions == position).to(local.dtype)
     shape = [1] * local.dim()
     shape[dim] = -1
     picked = (local * weight.view(shape)).sum(dim)
-    sharding.rewrites.append(f"{n.name}: the owning rank's position + all-reduce")
-    return collectives.all_reduce_sum(picked, sharding.group)
+    return context.lowered(collectives.all_reduce_sum(picked, context.group),
+                           rewrite="the owning rank's position + all-reduce")
