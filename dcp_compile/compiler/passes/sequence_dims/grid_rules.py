@@ -20,6 +20,7 @@ outputs, or when it combines with a value that is indexed by position from outsi
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Iterator
 
 import sympy
@@ -97,8 +98,7 @@ def find_grid_region(entry: fx.Node, analysis: AnalysisView) -> GridRegion | str
             return f"{node.name} ({node.target}): {why}"
     if not region.exits:
         return "the grid is never flattened back into tokens"
-    region.radius = max(reach[node.args[0]] for node in region.exits)
-    return region
+    return replace(region, radius=max(reach[node.args[0]] for node in region.exits))
 
 
 def _after(entry: fx.Node) -> Iterator[fx.Node]:

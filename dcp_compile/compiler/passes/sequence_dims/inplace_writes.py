@@ -18,8 +18,9 @@ annotated as written, a return that aliases its input), with no list of ops:
   and other readers follow their own rules on the written buffer (token-local ones take their
   chunk of it).
 
-``propagation`` runs the analysis, asks :func:`unproven_writes` which members to force, and runs
-it again with them forced, until nothing changes (forcing one group can unprove another).
+``propagation`` finds the alias groups once (they depend on the graph alone), runs the analysis,
+asks :func:`unproven_writes` which members to force, and runs it again with them forced, until
+nothing changes (forcing one group can unprove another).
 """
 
 from __future__ import annotations
@@ -144,12 +145,14 @@ def _touches_sequence(group: AliasGroup, analysis: SequenceAnalysis) -> bool:
     return any(analysis.dims_of(n) for n in nodes)
 
 
-def unproven_writes(analysis: SequenceAnalysis, graph: fx.Graph) -> dict[fx.Node, str]:
+def unproven_writes(analysis: SequenceAnalysis, graph: fx.Graph,
+                    groups: list[AliasGroup] | None = None) -> dict[fx.Node, str]:
     """Members of written alias groups the rules did not prove token-local, with the reason
-    each is run on the full sequence. Members already forced are left out."""
+    each is run on the full sequence. Members already forced are left out. ``groups``: the
+    graph's :func:`alias_groups` (a fact of the graph alone, which the driver finds once)."""
     forced: dict[fx.Node, str] = {}
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for group in alias_groups(graph):
+    for group in alias_groups(graph) if groups is None else groups:
         if not _touches_sequence(group, analysis) or _proven(group, analysis, order):
             continue
         write = group.writes[0]

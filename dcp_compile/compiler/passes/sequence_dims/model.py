@@ -190,10 +190,11 @@ class Findings:
 NO_FINDINGS = Findings()
 
 
-@dataclass
+@dataclass(frozen=True)
 class GridRegion:
     """A stretch that reshapes the tokens into a grid and back, run on each rank's window (see
-    ``grid_rules``)."""
+    ``grid_rules``). Filled in by its discovery (``grid_rules.find_grid_region``), then a fact:
+    nothing changes a region once an entry's rule has returned it."""
 
     entry: fx.Node  # the reshape that splits the tokens into a grid
     token_dim: int  # the tokens' dimension in the entry's input

@@ -31,7 +31,7 @@ from dcp_compile.compiler.passes.sequence_dims.registry import classify, mixing,
 from dcp_compile.compiler.passes.sequence_dims.symbolic import (
     equal, expression, is_empty, normalize, size_hint, traced_size, value_of,
 )
-from dcp_compile.compiler.passes.sequence_dims.inplace_writes import unproven_writes
+from dcp_compile.compiler.passes.sequence_dims.inplace_writes import alias_groups, unproven_writes
 from dcp_compile.compiler.passes.sequence_dims.token_hints import token_dims_from_attention
 
 aten = torch.ops.aten
@@ -114,6 +114,7 @@ def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite],
     refused: dict[RefusalKind, dict[fx.Node, str]] = {kind: {} for kind in RefusalKind}
     written: dict[fx.Node, str] = {}
     decompositions = Decompositions()  # what each decomposition proves does not change between attempts
+    groups = alias_groups(gm.graph)  # buffers written in place: a fact of the graph alone
     while True:
         analysis = SequenceAnalysis(length=length, graph=graph, parameters=parameters,
                                     refused_grids=dict(refused[RefusalKind.GRID]), written_aliases=dict(written),
@@ -124,7 +125,7 @@ def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite],
             refused[refusal.kind][refusal.node] = refusal.reason
             log.info("dcp: %s %s: %s", refusal.node.name, REFUSED[refusal.kind], refusal.reason)
             continue
-        forced = unproven_writes(analysis, gm.graph) if analysis.length is not None else {}
+        forced = unproven_writes(analysis, gm.graph, groups) if analysis.length is not None else {}
         if not forced:
             return analysis
         written.update(forced)
