@@ -368,9 +368,7 @@ def classify(node: fx.Node, analysis: AnalysisView) -> NodeRole:
     else:
         result = NodeRole(Role.NONE)
     settled = _settle(node, analysis, result, has_sequence_input)
-    found = declined or result.findings
-    if declined and result.findings:
-        found = replace(result.findings, refused_grid=declined.refused_grid)
+    found = replace(result.findings, refused_grid=declined.refused_grid) if declined else result.findings
     return replace(settled, findings=found) if settled.findings is not found else settled
 
 
