@@ -180,7 +180,28 @@ def decomposed_and_written(x: torch.Tensor) -> torch.Tensor:
     return out + torch.cat([x[:, :1], x], dim=1)[:, 1:]
 
 
-def _programs() -> list[tuple[str, fx.GraphModule, Any]]:
+def every_rule(x, ids, w, image):
+    """One op (at least) of every registered rule's ops but the custom autograd.Function's."""
+    b, s, d = x.shape
+    q = x.view(b, s, 2, d // 2).transpose(1, 2)
+    a = F.scaled_dot_product_attention(q, q, q).transpose(1, 2).reshape(b, s, d)
+    h = F.linear(a, w) + torch.addmm(torch.zeros(d), x.reshape(-1, d), w).view(b, s, d)
+    h = F.layer_norm(h, (d,)) + F.embedding(ids, w).type_as(h)
+    h = F.pad(h, (0, 0, 1, 1))[:, 1:-1].expand(b, s, d)
+    p, r = h.split([d // 2, d // 2], dim=-1)
+    h = torch.cat([p, r], -1).flip([-1]).repeat(1, 1, 2)[..., :d] + F.one_hot(ids, d).float()
+    h = h.repeat_interleave(2, dim=-1)[..., ::2] + torch.outer(torch.ones(d), torch.ones(d))[0]
+    t = torch.view_as_real(torch.view_as_complex(h.reshape(b, s, d // 2, 2))).flatten(-2)
+    loss = F.cross_entropy(t.reshape(-1, d), ids.reshape(-1))
+    h, _ = torch.broadcast_tensors(h, torch.zeros(1, 1, d))
+    c = F.conv2d(image, torch.ones(4, 4, 3, 3), padding=1)
+    c = F.avg_pool2d(F.group_norm(torch.ops.aten.convolution(c, torch.ones(4, 4, 1, 1), None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1), 2), 1)
+    return h.select(1, 0).sum() + loss + t.sum() + c.sum() + h.new_zeros(()) + h.zero_().sum()
+
+
+@pytest.fixture(scope="module")
+def programs() -> list[tuple[str, fx.GraphModule, Any]]:
+    """The programs, traced once for the module's tests."""
     programs = []
     for name, function, inputs, length in [
         ("mix_ffn", mix_ffn, (torch.randn(2, 3, 4, 8),), lambda gm: _size(gm, 0, 1) * _size(gm, 0, 2)),
@@ -190,6 +211,8 @@ def _programs() -> list[tuple[str, fx.GraphModule, Any]]:
          lambda gm: _size(gm, 0, 1)),
         ("capacity", capacity, (torch.randn(2, 7, 8), torch.randn(8, 4)), lambda gm: _size(gm, 0, 1)),
         ("decomposed_and_written", decomposed_and_written, (torch.randn(2, 7, 8),), lambda gm: _size(gm, 0, 1)),
+        ("every_rule", every_rule, (torch.randn(2, 7, 8), torch.randint(0, 8, (2, 7)), torch.randn(8, 8),
+                                    torch.randn(2, 4, 5, 6)), lambda gm: _size(gm, 0, 1)),
     ]:
         gm = _trace(function, *inputs)
         programs.append((name, gm, length(gm)))
@@ -238,7 +261,7 @@ def test_the_view_refuses_every_write():
     assert _snapshot(analysis) == _snapshot(SequenceAnalysis(length=sympy.Symbol("L")))
 
 
-def test_every_rule_gets_the_read_only_view(monkeypatch):
+def test_every_rule_gets_the_read_only_view(monkeypatch, programs):
     """Wrap every registered rule: across the programs (grids found and refused, a local dispatch
     and its refusal, decompositions, in-place writes) each call gets a ``ReadOnlyAnalysis``."""
     seen: dict[str, int] = {}
@@ -255,7 +278,7 @@ def test_every_rule_gets_the_read_only_view(monkeypatch):
     for stage, function in list(STAGE_RULES.items()):
         monkeypatch.setitem(STAGE_RULES, stage, spy(function))
     refusals, refused_grids = [], {}
-    for _, gm, length in _programs():
+    for _, gm, length in programs:
         analysis, found = _analyse(gm, length)
         refusals += found
         refused_grids.update(analysis.refused_grids)
@@ -266,11 +289,11 @@ def test_every_rule_gets_the_read_only_view(monkeypatch):
         assert seen.get(name), f"the programs never reach {name}: {sorted(seen)}"
 
 
-def test_no_rule_writes_the_analysis():
+def test_no_rule_writes_the_analysis(programs):
     """Call ``classify`` and the op's own rule on every node of the analysed programs: every fact
     of the analysis is as before (what a rule finds comes back in its role's findings)."""
     found_positions = found_grid = 0
-    for name, gm, length in _programs():
+    for name, gm, length in programs:
         analysis, _ = _analyse(gm, length)
         before = _snapshot(analysis)
         for current in gm.graph.nodes:
@@ -323,3 +346,20 @@ def test_a_grid_member_reports_its_refusal_instead_of_raising():
     assert refusal.kind is RefusalKind.GRID and refusal.node is entry
     assert refusal.reason == f"conv2d reads {flatten.name}, which is sequence-indexed, from outside the grid"
     assert not analysis.refused_grids
+
+
+def test_each_rule_runs_on_an_empty_view(programs):
+    """Every op rule, called on a node of its op with a view of an analysis that holds nothing but
+    the length (no driver, no roles): it answers a role and the analysis stays empty."""
+    covered = set()
+    for name, gm, length in programs:
+        for current in gm.graph.nodes:
+            if current.op != "call_function" or current.target not in RULES:
+                continue
+            analysis = SequenceAnalysis(length=length, graph=fx_to_networkx(gm.graph))
+            empty = _snapshot(analysis)
+            role = RULES[current.target](current, read_only(analysis))
+            assert isinstance(role, NodeRole), (name, current.name)
+            assert _snapshot(analysis) == empty, (name, current.name)
+            covered.add(RULES[current.target].__name__)
+    assert {function.__name__ for function in RULES.values()} - covered == {"custom_autograd_function_rule"}
