@@ -155,6 +155,11 @@ class RefusalKind(_NamedEnum):
     GRID = "grid"  # a grid region reads a sequence-indexed value from outside: its entry gathers
     DISPATCH = "dispatch"  # a local token sort's counts or order are read beyond it: it sorts gathered tokens
 
+    @property
+    def consequence(self) -> str:
+        """What the refused node does in the next attempt (logged with the refusal)."""
+        return "gathers: no grid window" if self is RefusalKind.GRID else "sorts the gathered tokens"
+
 
 @dataclass(frozen=True)
 class Refusal:

@@ -123,7 +123,7 @@ def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite],
         refusal = attempt(sites, analysis)
         if refusal is not None:
             refused[refusal.kind][refusal.node] = refusal.reason
-            log.info("dcp: %s %s: %s", refusal.node.name, REFUSED[refusal.kind], refusal.reason)
+            log.info("dcp: %s %s: %s", refusal.node.name, refusal.kind.consequence, refusal.reason)
             continue
         forced = unproven_writes(analysis, gm.graph, groups) if analysis.length is not None else {}
         if not forced:
@@ -131,8 +131,6 @@ def analyze_sequence_dims(gm: fx.GraphModule, sites: list[AttentionSite],
         written.update(forced)
         log.info("dcp: %d values written in place run on the full sequence", len(forced))
 
-
-REFUSED = {RefusalKind.GRID: "gathers: no grid window", RefusalKind.DISPATCH: "sorts the gathered tokens"}
 
 
 def attempt(sites: list[AttentionSite], analysis: SequenceAnalysis) -> Refusal | None:
