@@ -4,8 +4,8 @@ A lowering gets a ``LoweringContext``, a read-only view of the interpreter for o
 returns a ``Lowered`` record; the interpreter alone writes its value maps and its record. These
 tests hold that contract: the context takes no assignment and exposes no map, every lowering
 takes the context alone and returns the record on real compiles (attention, a CLS position,
-replicated queries, views and slices on chunks, scalar reads, grid windows), and a lowering that
-returns a bare value is refused.
+replicated queries, views and slices on chunks, scalar reads, grid windows, a returned cache
+slice, per-sample selections), and a lowering that returns a bare value is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from dcp_compile.compiler.passes.shard_sequence import (
 from dcp_compile.compiler.passes.shard_sequence.lowerings import FORM_RULES
 from dcp_compile.variant import Variant
 from model_zoo import ZOO
+from test_batch_selections import PerSampleTail
+from test_output_tails import AttentionWithWindowCache
 
 # What the interpreter keeps and a lowering must never reach: its maps and its record.
 INTERPRETER_STATE = ("full", "chunk", "gathers", "rewrites", "grid_windows", "sharded_sites", "rank_local_sites",
@@ -82,12 +84,11 @@ def test_every_op_form_applies_on_one_path():
     assert Counter(rule.form for rule in FORM_RULES) == Counter(set(OpForm))
 
 
-def _compile(name: str, length: int) -> None:
-    case = ZOO[name]
+def _compile(model: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
     torch._dynamo.reset()
-    compiled = torch.compile(case.build(), backend="dcp", dynamic=True, options={"inner": "eager", "sp_size": 2})
+    compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "eager", "sp_size": 2})
     with dcp.use(Variant(2)):
-        record = dcp.explain(compiled, **case.make_inputs(length))
+        record = dcp.explain(compiled, *args, **kwargs)
     for variant in record.variant_records():
         assert variant.fallback_reason is None, variant.fallback_reason
 
@@ -103,6 +104,7 @@ def test_lowerings_return_the_record_on_real_compiles(fake_world, monkeypatch):
             assert isinstance(lowered.layout, Layout)
             if context.path is not Path.CHUNK:
                 assert lowered.layout is Layout.FULL, key  # off the chunks, every value is full
+            assert lowered.output_gather == (key is OpForm.GATHER_FOR_OUTPUT), key
             seen[key] += 1
             return lowered
 
@@ -111,10 +113,14 @@ def test_lowerings_return_the_record_on_real_compiles(fake_world, monkeypatch):
     for key, function in list(LOWERINGS.items()):
         monkeypatch.setitem(LOWERINGS, key, recording(key, function))
     for name in ("vit", "two_stream", "grid_conv_video"):
-        _compile(name, 12)
+        _compile(ZOO[name].build(), **ZOO[name].make_inputs(12))
+    torch.manual_seed(0)
+    _compile(AttentionWithWindowCache(), torch.randn(2, 9, 16))  # a returned slice of the keys
+    _compile(PerSampleTail(), torch.randn(3, 11, 16))  # per-sample selections of one value
     expected = {Role.ATTENTION, Rewrite.SELECT_POSITION, Rewrite.REPLICATED_QUERY_ATTENTION, Rewrite.ENTER_GRID_WINDOW,
                 Rewrite.LEAVE_GRID_WINDOW, OpForm.VIEW_ON_CHUNK, OpForm.SLICE_ON_CHUNK, OpForm.SCALAR_READ,
-                OpForm.WHOLE_ATTENTION, OpForm.VIEW_ON_WINDOW}
+                OpForm.WHOLE_ATTENTION, OpForm.VIEW_ON_WINDOW, OpForm.GATHER_FOR_OUTPUT,
+                OpForm.SELECTION_OF_GATHERED_SOURCE}
     assert expected <= set(seen), expected - set(seen)
 
 

@@ -23,11 +23,11 @@ The rewrite happens by re-tracing the graph through an interpreter, so every new
 symbolic shape from the ops themselves.
 
 Modules: ``plan`` (which nodes run on chunks: a pure function of the analysis), ``interpreter``
-(layouts and the re-trace; the only code that writes its maps), ``lowerings`` (the registry keyed
-by ``Rewrite``, ``Role.ATTENTION`` and ``OpForm``, and the interface: a lowering reads a
-read-only ``LoweringContext`` and returns a ``Lowered`` record), one module of lowerings per
+(layouts and the re-trace; the only code that writes its maps), ``lowering_context`` (the
+interface: a lowering reads a read-only ``LoweringContext`` and returns a ``Lowered`` record),
+``lowerings`` (the registry keyed by ``Rewrite``, ``Role.ATTENTION`` and ``OpForm``), one module of lowerings per
 layout family (``attention_lowerings``, ``segment_lowerings``, ``reduction_lowerings``,
-``permutation_lowerings``, ``grid_lowerings``, ``chunk_lowerings``, ``full_lowerings``), and
+``permutation_lowerings``, ``grid_lowerings``, ``chunk_lowerings``, ``full_lowerings``, ``gather_lowerings``), and
 ``sharding_pass``.
 Importing this package registers every lowering.
 """
@@ -35,14 +35,13 @@ Importing this package registers every lowering.
 from __future__ import annotations
 
 from dcp_compile.compiler.passes.shard_sequence import (  # noqa: F401  (each registers its lowerings)
-    attention_lowerings, chunk_lowerings, full_lowerings, grid_lowerings, permutation_lowerings, reduction_lowerings,
-    segment_lowerings,
+    attention_lowerings, chunk_lowerings, full_lowerings, gather_lowerings, grid_lowerings, permutation_lowerings,
+    reduction_lowerings, segment_lowerings,
 )
 from dcp_compile.compiler.passes.shard_sequence.full_lowerings import SCALAR_READS
 from dcp_compile.compiler.passes.shard_sequence.interpreter import ShardingInterpreter, describe_node
-from dcp_compile.compiler.passes.shard_sequence.lowerings import (
-    LOWERINGS, CannotShard, GatherRecord, Layout, Lowered, LoweringContext, OpForm, Path, lowering,
-)
+from dcp_compile.compiler.passes.shard_sequence.lowering_context import Layout, Lowered, LoweringContext, OpForm, Path
+from dcp_compile.compiler.passes.shard_sequence.lowerings import LOWERINGS, CannotShard, GatherRecord, lowering
 from dcp_compile.compiler.passes.shard_sequence.plan import ShardPlan, plan_sharding
 from dcp_compile.compiler.passes.shard_sequence.sharding_pass import shard_sequence_pass
 

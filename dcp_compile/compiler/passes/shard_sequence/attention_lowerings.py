@@ -14,7 +14,8 @@ from dcp_compile.compiler import ulysses
 from dcp_compile.compiler.passes import sharded_attention_op  # noqa: F401  (registers dcp::sharded_attention)
 from dcp_compile.compiler.passes.find_attention import sdpa_argument
 from dcp_compile.compiler.passes.sequence_dims import Rewrite, Role
-from dcp_compile.compiler.passes.shard_sequence.lowerings import CannotShard, Lowered, LoweringContext, Site, lowering
+from dcp_compile.compiler.passes.shard_sequence.lowering_context import Lowered, LoweringContext, Site
+from dcp_compile.compiler.passes.shard_sequence.lowerings import CannotShard, lowering
 from dcp_compile.compiler.sequence_chunks import chunk_lengths
 
 

@@ -10,9 +10,8 @@ import torch
 
 from dcp_compile.compiler.passes.find_attention import SDPA
 from dcp_compile.compiler.passes.sequence_dims import VIEWS, expression
-from dcp_compile.compiler.passes.shard_sequence.lowerings import (
-    Lowered, LoweringContext, OpForm, Path, Site, op_form,
-)
+from dcp_compile.compiler.passes.shard_sequence.lowering_context import Lowered, LoweringContext, OpForm, Path, Site
+from dcp_compile.compiler.passes.shard_sequence.lowerings import op_form
 
 aten = torch.ops.aten
 SIZED_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)

@@ -1,6 +1,6 @@
 """Ops on full values that read chunked ones without a gather (a size, a whole element of a
-chunked tuple, a scalar known at compile time), and attention sites every rank computes whole,
-which the record counts as replicated or unsharded."""
+chunked tuple, a scalar known at compile time), attention sites every rank computes whole (which
+the record counts as replicated or unsharded), and views run as reshapes."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import torch
 
 from dcp_compile.compiler.passes.find_attention import SDPA
 from dcp_compile.compiler.passes.sequence_dims import expression
-from dcp_compile.compiler.passes.shard_sequence.lowerings import (
-    Lowered, LoweringContext, OpForm, Path, Site, op_form,
-)
+from dcp_compile.compiler.passes.shard_sequence.lowering_context import Lowered, LoweringContext, OpForm, Path, Site
+from dcp_compile.compiler.passes.shard_sequence.lowerings import op_form
 
 aten = torch.ops.aten
 SCALAR_READS = (aten.item.default, aten._local_scalar_dense.default)
@@ -79,3 +78,11 @@ def lower_whole_attention(context: LoweringContext) -> Lowered:
     role = context.role
     reason = role.reason if role is not None and role.reason else "its region holds no sequence-sharded value"
     return context.lowered(context.run_generic(), site=Site.UNSHARDED, site_reason=reason)
+
+
+@op_form(OpForm.VIEW_ON_FULL, Path.FULL,
+         when=lambda context: context.node.target in (aten.view.default, aten._unsafe_view.default))
+def lower_view_on_full(context: LoweringContext) -> Lowered:
+    """A view as a reshape: a gathered value need not be viewable where the original was."""
+    args, kwargs = context.full_args()
+    return context.lowered(context.run_op(context.node.op, aten.reshape.default, args, kwargs))

@@ -10,9 +10,8 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.compiler import collectives
-from dcp_compile.compiler.passes.shard_sequence.lowerings import (
-    Lowered, LoweringContext, OpForm, Path, op_form,
-)
+from dcp_compile.compiler.passes.shard_sequence.lowering_context import Lowered, LoweringContext, OpForm, Path
+from dcp_compile.compiler.passes.shard_sequence.lowerings import op_form
 from dcp_compile.compiler.sequence_chunks import chunk_start
 
 aten = torch.ops.aten

@@ -9,9 +9,8 @@ import torch.fx as fx
 
 from dcp_compile.compiler import grid_windows
 from dcp_compile.compiler.passes.sequence_dims import VIEWS, Rewrite, expression
-from dcp_compile.compiler.passes.shard_sequence.lowerings import (
-    CannotShard, Lowered, LoweringContext, OpForm, Path, lowering, op_form,
-)
+from dcp_compile.compiler.passes.shard_sequence.lowering_context import Lowered, LoweringContext, OpForm, Path
+from dcp_compile.compiler.passes.shard_sequence.lowerings import CannotShard, lowering, op_form
 
 aten = torch.ops.aten
 

@@ -2,8 +2,10 @@
 
 It keeps each value in the layouts it has been asked for (``full`` and ``chunk``), converts
 between them (slice, all-gather, or a cheap replay on full inputs), runs token-local ops on
-chunks and hands attention and every ``Rewrite`` to the lowering registered for it
-(``lowerings.LOWERINGS``). Outputs come back full on every rank.
+chunks and hands attention, every ``Rewrite`` and every op its generic paths cannot run as they
+stand (an ``OpForm``) to the lowering registered for it (``lowerings.LOWERINGS``). A lowering
+reads a read-only ``LoweringContext`` and returns a ``Lowered`` record: this module is the only
+one that writes the maps and the record. Outputs come back full on every rank.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from dcp_compile.compiler.passes.find_attention import SDPA
 from dcp_compile.compiler.passes.sequence_dims import GridRegion, Role, SequenceAnalysis, SequenceDim, expression
 from dcp_compile.compiler.passes.sequence_dims.registry import METADATA_READS
 from dcp_compile.compiler.passes.sequence_dims.inplace_writes import alias_groups
+from dcp_compile.compiler.passes.shard_sequence.lowering_context import Layout, Lowered, LoweringContext, Path, Site
 from dcp_compile.compiler.passes.shard_sequence.lowerings import (
-    LOWERINGS, CannotShard, GatherRecord, Layout, Lowered, LoweringContext, LoweringKey, Path, Site, WriteRefused, select_form,
+    LOWERINGS, CannotShard, GatherRecord, LoweringKey, WriteRefused, select_form,
 )
 from dcp_compile.compiler.passes.shard_sequence.plan import ShardPlan
 from dcp_compile.compiler.sequence_chunks import chunk_start
@@ -105,10 +108,6 @@ OUTPUT_TAIL_OPS = frozenset({
 })
 
 
-# Selections along a dimension other than the sequence (a sample of the batch, a range of them).
-BATCH_SELECTIONS = frozenset({aten.select.int, aten.slice.Tensor, aten.narrow.default})
-
-
 def _output_tail(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes of :data:`OUTPUT_TAIL_OPS` whose every use is the output or another such node."""
     tail: set[fx.Node] = set()
@@ -138,7 +137,7 @@ class ShardingInterpreter(fx.Interpreter):
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         self.scalar_values = {placeholders[i]: value for i, value in ctx.scalar_values.items()}
         self.local_fallbacks: list[str] = []  # sharded ops run on gathered inputs instead
-        self.output_tail = _output_tail(gm)
+        self.output_tail = frozenset(_output_tail(gm))
         self.unsummed: set[fx.Node] = set()  # full values whose gradient reaches chunks unsummed
         self.replayed = 0
         self.current: fx.Node | None = None  # chunked ops also replayed on full values instead of a gather
@@ -246,14 +245,12 @@ class ShardingInterpreter(fx.Interpreter):
         replayed = self._replay_full(node)
         if replayed is not None:
             return replayed
-        selected = self._selected_from_full_source(node, reason, consumer)
-        if selected is not None:
-            return selected
+        lowered = self._lower_form(LoweringContext(self, node, Path.GATHER, reason, consumer))
+        if lowered is not None:
+            if not lowered.output_gather:
+                self.full[node] = lowered.value
+            return lowered.value
         value = self.chunk[node]
-        if consumer is not None and consumer in self.output_tail and _is_tensor(value) and self.sp_size > 1:
-            seq = self.seq_of(node)
-            if seq.plain:
-                return self._gathered_for_output(node, value, seq, consumer)
         if isinstance(value, (tuple, list)):
             gathered = type(value)(
                 self.gather(v, self.seq_of(node, i)) if _is_tensor(v) and self.analysis.dims_of(node, i) else v
@@ -276,52 +273,6 @@ class ShardingInterpreter(fx.Interpreter):
             return role.reason
         label = role.role.value if role is not None else "unclassified"
         return f"{_op_label(consumer)} ({label}) reads {node.name} whole"
-
-    def _selected_from_full_source(self, node: fx.Node, reason: str, consumer: fx.Node | None) -> Any:
-        """A selection across the batch (``hidden[i]``) of a chunked value, in full, from one gather.
-
-        A model that unpatchifies each sample on its own (``hidden[i][text:]`` per ``i``) would
-        otherwise gather every sample's selection separately: the same bytes in B collectives.
-        When the source has two or more such selections, or is gathered already, it is gathered
-        once and each selection is taken from it.
-        """
-        if node.op != "call_function" or node.target not in BATCH_SELECTIONS:
-            return None
-        source = node.args[0]
-        if not isinstance(source, fx.Node) or source not in self.chunk or not _is_tensor(self.chunk[source]):
-            return None
-        seq = self.seq_of(source)
-        rank = self.chunk[source].dim()
-        dim = node.args[1] % rank
-        if not seq.plain or dim == seq.dim:
-            return None
-        # Selections whose own consumers run on full values (they will be gathered too).
-        siblings = [user for user in source.users if user.op == "call_function" and user.target in BATCH_SELECTIONS
-                    and user.args[1] % rank == dim and any(c not in self.plan.sharded_nodes for c in user.users)]
-        if source not in self.full and len(siblings) < 2:
-            return None
-        full = self.as_full(source, reason, consumer)
-        args = fx.map_arg(node.args[1:], self.as_full)
-        kwargs = fx.map_arg(node.kwargs, self.as_full)
-        self.full[node] = self.call_function(node.target, (full, *args), kwargs)
-        return self.full[node]
-
-    def _gathered_for_output(self, node: fx.Node, local: torch.Tensor, seq: SequenceDim, consumer: fx.Node) -> Any:
-        """``node`` in full for a consumer whose result is only reshaped into graph outputs.
-
-        A sliding-window K/V cache keeps ``keys[:, :, -window:]`` of each layer and returns it:
-        a slice along the sequence, so it needs the full keys, but only to hand them back, like
-        a returned full cache. It is gathered the way an output is (outside autograd, its
-        gradient handed to this rank's chunk without a sum over ranks) and counted as an output
-        gather, not as a gather the computation needs. Not cached: a computing consumer of the
-        same value gets its own, summed gather.
-        """
-        full = self.gather(local.detach(), seq)
-        self.output_gathers += 1
-        self.unsummed.add(consumer)
-        if not local.requires_grad:
-            return full
-        return collectives.replicated_output(full, local, seq.dim, chunk_start(self.length, self.sp_size, self.rank))
 
     def _is_unsummed(self, node: fx.Node) -> bool:
         while node in self.output_tail:
@@ -433,6 +384,9 @@ class ShardingInterpreter(fx.Interpreter):
             self.unsharded_sites.append((n.name, lowered.site_reason))
         if lowered.window_units is not None:
             self.grid_windows[n] = lowered.window_units
+        if lowered.output_gather:
+            self.output_gathers += 1
+            self.unsummed.add(context.consumer)  # its gradient reaches the chunk unsummed
         return lowered
 
     def _lower_form(self, context: LoweringContext) -> Lowered | None:
@@ -474,10 +428,7 @@ class ShardingInterpreter(fx.Interpreter):
             args, kwargs = fx.map_arg(n.args, self.as_full), fx.map_arg(n.kwargs, self.as_full)
             return getattr(self, n.op)(n.target, args, kwargs)
         args, kwargs = self.full_args(n, reason)
-        target = n.target
-        if target in (aten.view.default, aten._unsafe_view.default):
-            target = aten.reshape.default  # a gathered value need not be viewable where the original was
-        return getattr(self, n.op)(target, args, kwargs)
+        return getattr(self, n.op)(n.target, args, kwargs)
 
     def chunk_args(self, n: fx.Node, metadata: tuple[int, ...] | None = None) -> tuple[tuple, dict]:
         """``n``'s arguments on chunks: aligned inputs in chunks, the rest full (a gather for

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from dcp_compile.compiler.passes.sequence_dims import Rewrite
-from dcp_compile.compiler.passes.shard_sequence.lowerings import Lowered, LoweringContext, lowering
+from dcp_compile.compiler.passes.shard_sequence.lowering_context import Lowered, LoweringContext
+from dcp_compile.compiler.passes.shard_sequence.lowerings import lowering
 
 
 @lowering(Rewrite.INVERSE_PERMUTATION)

@@ -9,7 +9,8 @@ import torch.fx as fx
 
 from dcp_compile.compiler import collectives
 from dcp_compile.compiler.passes.sequence_dims import Rewrite
-from dcp_compile.compiler.passes.shard_sequence.lowerings import Lowered, LoweringContext, lowering
+from dcp_compile.compiler.passes.shard_sequence.lowering_context import Lowered, LoweringContext
+from dcp_compile.compiler.passes.shard_sequence.lowerings import lowering
 from dcp_compile.compiler.sequence_chunks import chunk_start
 
 aten = torch.ops.aten

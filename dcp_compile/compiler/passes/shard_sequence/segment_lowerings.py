@@ -8,9 +8,8 @@ from typing import Any
 import torch
 
 from dcp_compile.compiler.passes.sequence_dims import Rewrite, SequenceDim
-from dcp_compile.compiler.passes.shard_sequence.lowerings import Lowered, LoweringContext, lowering
-
-
+from dcp_compile.compiler.passes.shard_sequence.lowering_context import Lowered, LoweringContext
+from dcp_compile.compiler.passes.shard_sequence.lowerings import lowering
 def joint_parts(context: LoweringContext) -> tuple[torch.Tensor, SequenceDim, Any, Any]:
     source = context.node.args[0]
     seq = context.seq_of(source)
