@@ -39,6 +39,7 @@ from dcp_compile.compiler.regions import (
 from dcp_compile.compiler.self_check import check_first_call
 from dcp_compile.compiler.variant_selection import BucketTable, active_sequence_boundaries, active_variant
 from dcp_compile.compiler.passes.use_varlen_attention import choose_packed_attention, packed_sites
+from dcp_compile.compiler.trace_hints import traced_with_room
 from dcp_compile.kernels.attention_choice import VarlenKernel
 from dcp_compile.variant import Variant
 
@@ -227,36 +228,39 @@ class Dispatcher:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         variant_record.debug_path = f"rank{rank}/graph{self.record.graph_id}/{variant}".replace('/recompute=', '_recompute=')
         self.record.variants[variant] = variant_record
-        ctx = PassContext(
-            fake_inputs=self.fake_inputs, fake_mode=self.fake_mode, sp_size=variant.sp_size,
-            rank=group.rank, group_name=group.group_name if variant.sp_size > 1 else None,
-            recompute=variant.recompute, packed=variant.packed, packed_attention=variant.attention,
-            packed_attention_reason=self.packed_reasons.get(variant, ""),
-            record=self.record, variant_record=variant_record, analysis=self.analysis,
-            scalar_values=dict(zip(self.analysis.scalar_inputs, scalars)), snapshots=snapshots_requested(),
-            loss_chunk=self.options.loss_chunk, mlp_chunk=self.options.mlp_chunk,
-        )
-        passes = [p for p in self.variant_passes
-                  if (variant.sp_size > 1 or p.runs_without_sharding) and not p.disabled_by(self.options.disable_passes)]
-        analysed = self.analysed
-        if not (passes and passes[0].returns_new_graph):
-            # Later passes edit in place (recompute tags, varlen attention): without a pass that
-            # re-traces first, a variant works on its own copy of the shared analysed graph (node
-            # meta copied shallowly: fake values shared, tags not). The analysis refers to the
-            # original nodes, which only the re-tracing pass reads.
-            analysed = fx.GraphModule(self.analysed, copy.deepcopy(self.analysed.graph))
-        gm = run_passes(
-            analysed, ctx, passes, variant=str(variant), disabled=self.options.disable_passes,
-            graph_id=self.record.graph_id, debug_dir=self.options.debug_dir, records=variant_record.passes,
-        )
-        self.added_inputs[variant] = tuple(filter(None, (p.added_input(ctx) for p in passes)))
-        variant_record.graph = gm
-        variant_record.collectives = count_collectives(gm)
-        compiled = self.regional(gm, variant, variant_record) if self.options.regions else None
-        if compiled is None:
-            inner = INNER_COMPILERS[self.options.inner]
-            with floats_already_specialized(self.fake_mode), compile_stage(f"{self.options.inner}"):
-                compiled = inner(gm, ctx.fake_inputs, variant_record)
+        sequence = self.analysis.sequence
+        with traced_with_room(self.fake_mode, self.fake_inputs, sequence.length if sequence is not None else None,
+                              variant.sp_size) as fake_inputs:
+            ctx = PassContext(
+                fake_inputs=fake_inputs, fake_mode=self.fake_mode, sp_size=variant.sp_size,
+                rank=group.rank, group_name=group.group_name if variant.sp_size > 1 else None,
+                recompute=variant.recompute, packed=variant.packed, packed_attention=variant.attention,
+                packed_attention_reason=self.packed_reasons.get(variant, ""),
+                record=self.record, variant_record=variant_record, analysis=self.analysis,
+                scalar_values=dict(zip(self.analysis.scalar_inputs, scalars)), snapshots=snapshots_requested(),
+                loss_chunk=self.options.loss_chunk, mlp_chunk=self.options.mlp_chunk,
+            )
+            passes = [p for p in self.variant_passes
+                      if (variant.sp_size > 1 or p.runs_without_sharding) and not p.disabled_by(self.options.disable_passes)]
+            analysed = self.analysed
+            if not (passes and passes[0].returns_new_graph):
+                # Later passes edit in place (recompute tags, varlen attention): without a pass that
+                # re-traces first, a variant works on its own copy of the shared analysed graph (node
+                # meta copied shallowly: fake values shared, tags not). The analysis refers to the
+                # original nodes, which only the re-tracing pass reads.
+                analysed = fx.GraphModule(self.analysed, copy.deepcopy(self.analysed.graph))
+            gm = run_passes(
+                analysed, ctx, passes, variant=str(variant), disabled=self.options.disable_passes,
+                graph_id=self.record.graph_id, debug_dir=self.options.debug_dir, records=variant_record.passes,
+            )
+            self.added_inputs[variant] = tuple(filter(None, (p.added_input(ctx) for p in passes)))
+            variant_record.graph = gm
+            variant_record.collectives = count_collectives(gm)
+            compiled = self.regional(gm, variant, variant_record) if self.options.regions else None
+            if compiled is None:
+                inner = INNER_COMPILERS[self.options.inner]
+                with floats_already_specialized(self.fake_mode), compile_stage(f"{self.options.inner}"):
+                    compiled = inner(gm, ctx.fake_inputs, variant_record)
         self.compiled[(variant, scalars)] = compiled
         return compiled
 
