@@ -284,8 +284,9 @@ class Replayer:
             return
         warmed = set()
         # One call per compiled graph compiles it, the longest first: the model's first call is
-        # Dynamo's trace, whose sizes are every variant's hints, and a hint that leaves a rank
-        # one token specialises the variant to it (a known defect: the closing note of 2026-12-06).
+        # Dynamo's trace, whose sizes are every variant's hints. A hint that left a rank one token
+        # once specialised the variant to it (fixed: compiler/trace_hints.py); the order stays, so
+        # that runs before and after the fix compile alike.
         for key in sorted(todo, key=lambda k: (k[1], k[2].value, -sum(self.call_lengths(k)))):
             if self.compile_key(key) not in warmed and self._runs(key, self._step(key)):
                 warmed.add(self.compile_key(key))
