@@ -671,10 +671,9 @@ def full_depth_lines(run: Run) -> list[str]:
 def markdown(run: Run) -> str:
     label = ([f"**{DRY_RUN_LABEL}**: a tiny Llama in fp32 on the CPU; OOM cannot happen there, so the memory is a "
               "stand-in, a fit means a measured peak within it and an \"OOM\" one over it. The CPU's reference "
-              "attention kernel builds each sequence's `[heads, L, L]` scores "
-              "(dcp_compile/kernels/varlen_attention_reference.py), which the model, priced for flash attention, "
-              "does not count: here the measured peak grows as L^2 and the measured / modelled ratio with L. It "
-              "checks the script and measures nothing worth reading.", ""] if run.dry_run else [])
+              "attention kernel builds each query block's scores (`[heads, rows, L]`, at most 2^18 of them, "
+              "dcp_compile/kernels/varlen_attention_reference.py), which the model, priced for flash attention, "
+              "does not count. It checks the script and measures nothing worth reading.", ""] if run.dry_run else [])
     versions = ", ".join(f"{k} {v}" for k, v in run.software.items())
     what = "tiny Llama (width 64)" if run.args["tiny"] else "Llama-3-8B shape"
     lines = [
