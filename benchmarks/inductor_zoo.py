@@ -12,6 +12,7 @@ backward that asserted the first length's strides failed there). Per case it rec
     PYTHONPATH=. python benchmarks/inductor_zoo.py                      # every diffusers DiT
     PYTHONPATH=. python benchmarks/inductor_zoo.py --cases sana,flux --out /tmp/x.md
     PYTHONPATH=. python benchmarks/inductor_zoo.py --no-patch           # torch's Inductor as shipped
+    PYTHONPATH=. python benchmarks/inductor_zoo.py --regions            # compiled in regions
 
 ``--no-patch`` sets ``DCP_INDUCTOR_PATCHES=0`` (dcp_compile/compiler/inductor_patches.py, whose
 fixes are on by default), so the run shows what torch's own Inductor does. Inductor on CPU generates
@@ -39,9 +40,10 @@ sys.path.insert(0, str(ROOT / "tests"))  # tests/real_models.py: the zoo's cases
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def survey_one(name: str, tokens: int | None, rank: int = 0) -> dict[str, Any]:
+def survey_one(name: str, tokens: int | None, rank: int = 0, regions: bool = False) -> dict[str, Any]:
     """Compile and run one case on a fake 2-rank world as ``rank`` (the ranks' chunk bounds differ,
-    and so do the size expressions Inductor meets)."""
+    and so do the size expressions Inductor meets); ``regions``: compiled in regions, whose
+    uncompiled ones (``VariantRecord.uncompiled_regions``) the row counts."""
     import logging
     import traceback
 
@@ -58,7 +60,8 @@ def survey_one(name: str, tokens: int | None, rank: int = 0) -> dict[str, Any]:
         setattr(torch._dynamo.config, setting, value)
     lengths = (tokens,) if tokens else tuple(case.lengths)
     row: dict[str, Any] = {"model": name, "rank": rank, "class": case.model_class, "tokens": None, "fallbacks": [],
-                           "error": None, "where": None, "seconds": None, "lengths_run": []}
+                           "error": None, "where": None, "seconds": None, "lengths_run": [], "regions": regions,
+                           "uncompiled_regions": []}
     warnings: list[str] = []
 
     class Catch(logging.Handler):
@@ -71,7 +74,8 @@ def survey_one(name: str, tokens: int | None, rank: int = 0) -> dict[str, Any]:
     record = None
     try:
         model = case.build()
-        compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "inductor", "sp_size": 2})
+        compiled = torch.compile(model, backend="dcp", dynamic=True, options={"inner": "inductor", "sp_size": 2,
+                                                                                "regions": regions})
         inputs, first = case.make_inputs(lengths[0])
         row["tokens"] = first
         record = dcp.explain(compiled, **inputs)
@@ -90,6 +94,8 @@ def survey_one(name: str, tokens: int | None, rank: int = 0) -> dict[str, Any]:
         for variant in graph.variants.values():
             if variant.inner_fallback:
                 row["fallbacks"].append(f"graph {graph.graph_id} {variant.variant}: {variant.inner_fallback}")
+            row["uncompiled_regions"] += [f"graph {graph.graph_id} {variant.variant}: {why}"
+                                          for why in variant.uncompiled_regions]
     row["fallback_warnings"] = len(warnings)
     from dcp_compile.compiler.inductor_patches import rescued_stride_sorts, symbolic_saved_strides, unknown_value_ranges
 
@@ -99,7 +105,7 @@ def survey_one(name: str, tokens: int | None, rank: int = 0) -> dict[str, Any]:
     return row
 
 
-def render(rows: list[dict[str, Any]], patched: bool) -> str:
+def render(rows: list[dict[str, Any]], patched: bool, regions: bool = False) -> str:
     import torch
 
     fallbacks = [row["model"] for row in rows if row["fallbacks"] and not row["error"]]
@@ -110,12 +116,13 @@ def render(rows: list[dict[str, Any]], patched: bool) -> str:
     surveyed = {row["model"] for row in rows}
     not_run = [case.name for case in rm.CASES.values() if case.library == "diffusers" and case.name not in surveyed]
     lines = [
-        "# Inductor on the zoo's diffusers DiTs under dcp (SP 2, fake world, CPU)",
+        "# Inductor on the zoo's diffusers DiTs under dcp (SP 2, fake world, CPU"
+        + (", compiled in regions)" if regions else ")"),
         "",
         f"Measured {datetime.date.today()} with torch {torch.__version__} on CPU, "
         f"dcp's Inductor patches {'on' if patched else 'off (DCP_INDUCTOR_PATCHES=0)'}; "
         "`PYTHONPATH=. python benchmarks/inductor_zoo.py"
-        f"{'' if patched else ' --no-patch'}`. Each case: compile with `inner=\"inductor\"`, SP 2 on a "
+        f"{'' if patched else ' --no-patch'}{' --regions' if regions else ''}`. Each case: compile with `inner=\"inductor\"`, SP 2 on a "
         "fake 2-rank process group, forward and backward at each token count run (compile survey; "
         "parity on gloo is `tests/test_inductor_zoo.py`).",
         "",
@@ -133,8 +140,12 @@ def render(rows: list[dict[str, Any]], patched: bool) -> str:
         "unknown (before it, the backward failed on rank 1 of Sana). Symbolic strides: forward outputs whose "
         "strides dcp handed to the backward as expressions (the third fix; '-': a run before it).",
         "",
-        "| model | class | rank | tokens run | Inductor | patched sorts | unknown ranges | symbolic strides | seconds |",
-        "|---|---|---|---|---|---|---|---|---|",
+        *([f"**Regions run uncompiled** (correct, not compiled): "
+           f"{sum(len(row.get('uncompiled_regions') or []) for row in rows)} in "
+           f"{sum(1 for row in rows if row.get('uncompiled_regions'))} case(s) (goal 0).", ""] if regions else []),
+        "| model | class | rank | tokens run | Inductor | patched sorts | unknown ranges | symbolic strides | seconds |"
+        + (" uncompiled regions |" if regions else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if regions else ""),
     ]
     for row in rows:
         if row["error"]:
@@ -147,7 +158,8 @@ def render(rows: list[dict[str, Any]], patched: bool) -> str:
         run = ", ".join(str(n) for n in row.get("lengths_run") or []) or row["tokens"]
         lines.append(f"| {row['model']} | {row['class']} | {row.get('rank', 0)} | {run} | {status.replace('|', '/')} | "
                      f"{row.get('patched_sorts', '-')} | {row.get('unknown_ranges', '-')} | "
-                     f"{row.get('symbolic_strides', '-')} | {row['seconds']} |")
+                     f"{row.get('symbolic_strides', '-')} | {row['seconds']} |"
+                     + (f" {len(row.get('uncompiled_regions') or [])} |" if regions else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -163,19 +175,23 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--rank", type=int, default=0, help="the fake world's rank this process plays (0 or 1)")
     parser.add_argument("--jobs", type=int, default=1, help="cases compiled at once, each in its own process")
+    parser.add_argument("--regions", action="store_true",
+                        help="compile in regions (options={'regions': True}); default out: inductor_zoo_regions_cpu.md")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print("ROW " + json.dumps(survey_one(args.one, None, args.rank)))
+        print("ROW " + json.dumps(survey_one(args.one, None, args.rank, args.regions)))
         return
     import real_models as rm
 
     names = args.cases.split(",") if args.cases else [c.name for c in rm.CASES.values() if c.library == "diffusers"]
     out = Path(args.out)
+    if args.regions and args.out == parser.get_default("out"):
+        out = RESULTS / "inductor_zoo_regions_cpu.md"
     json_path = out.with_suffix(".json")
     rows: list[dict[str, Any]] = json.loads(json_path.read_text()) if (args.resume or args.render) and json_path.exists() else []
     if args.render:
-        out.write_text(render(rows, not args.no_patch))
+        out.write_text(render(rows, not args.no_patch, args.regions))
         return
     if args.redo:
         rows = [row for row in rows if row["model"] not in names]
@@ -187,7 +203,8 @@ def main() -> None:
     def survey(name: str) -> dict[str, Any]:
         start = time.perf_counter()
         try:
-            proc = subprocess.run([sys.executable, __file__, "--one", name, "--rank", str(args.rank)], capture_output=True, text=True,
+            proc = subprocess.run([sys.executable, __file__, "--one", name, "--rank", str(args.rank)]
+                                  + (["--regions"] if args.regions else []), capture_output=True, text=True,
                                   timeout=args.timeout, env=env, cwd=ROOT)
             found = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
             if found:
@@ -208,7 +225,7 @@ def main() -> None:
             status = "ERROR " + row["error"] if row["error"] else ("FALLBACK" if row["fallbacks"] else "ok")
             print(f"{row['model']}: {status}, {row.get('patched_sorts')} patched sorts ({row['seconds']} s)", flush=True)
             json_path.write_text(json.dumps(rows, indent=1))
-            out.write_text(render(rows, not args.no_patch))
+            out.write_text(render(rows, not args.no_patch, args.regions))
 
 
 if __name__ == "__main__":
