@@ -14,7 +14,7 @@ backward that asserted the first length's strides failed there). Per case it rec
     PYTHONPATH=. python benchmarks/inductor_zoo.py --no-patch           # torch's Inductor as shipped
     PYTHONPATH=. python benchmarks/inductor_zoo.py --regions            # compiled in regions
 
-``--no-patch`` sets ``DCP_INDUCTOR_PATCHES=0`` (dcp_compile/compiler/inductor_patches.py, whose
+``--no-patch`` sets ``DCP_INDUCTOR_PATCHES=0`` (dcp_compile/compiler/workarounds/inductor_patches.py, whose
 fixes are on by default), so the run shows what torch's own Inductor does. Inductor on CPU generates
 and compiles C++: 3 to 25 minutes per case on a loaded 2-core machine; run one case at a time. The table is rewritten after every case; ``--resume``
 keeps the cases already in the JSON file (``--resume --redo --cases a,b`` runs a and b again). A
@@ -97,7 +97,7 @@ def survey_one(name: str, tokens: int | None, rank: int = 0, regions: bool = Fal
             row["uncompiled_regions"] += [f"graph {graph.graph_id} {variant.variant}: {why}"
                                           for why in variant.uncompiled_regions]
     row["fallback_warnings"] = len(warnings)
-    from dcp_compile.compiler.inductor_patches import rescued_stride_sorts, symbolic_saved_strides, unknown_value_ranges
+    from dcp_compile.compiler.workarounds.inductor_patches import rescued_stride_sorts, symbolic_saved_strides, unknown_value_ranges
 
     row["patched_sorts"] = rescued_stride_sorts()  # > 0: torch's Inductor as shipped would have failed
     row["unknown_ranges"] = unknown_value_ranges()  # > 0: the second fix was needed too
@@ -133,7 +133,7 @@ def render(rows: list[dict[str, Any]], patched: bool, regions: bool = False) -> 
         "",
         f"Not run yet: {', '.join(not_run) or 'none'}.",
         "",
-        "Patched sorts: Inductor stride sorts that dcp's patch (dcp_compile/compiler/inductor_patches.py, "
+        "Patched sorts: Inductor stride sorts that dcp's patch (dcp_compile/compiler/workarounds/inductor_patches.py, "
         "pytorch/pytorch#172204) redid with the shape environment; more than 0 means torch's Inductor as "
         "shipped fails on this model (a forward sort: the variant falls back to aot_eager; a backward one: "
         "the first backward raises). Unknown ranges: negative powers whose value range the second fix left "

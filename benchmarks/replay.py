@@ -285,7 +285,7 @@ class Replayer:
         warmed = set()
         # One call per compiled graph compiles it, the longest first: the model's first call is
         # Dynamo's trace, whose sizes are every variant's hints. A hint that left a rank one token
-        # once specialised the variant to it (fixed: compiler/trace_hints.py); the order stays, so
+        # once specialised the variant to it (fixed: compiler/workarounds/trace_hints.py); the order stays, so
         # that runs before and after the fix compile alike.
         for key in sorted(todo, key=lambda k: (k[1], k[2].value, -sum(self.call_lengths(k)))):
             if self.compile_key(key) not in warmed and self._runs(key, self._step(key)):

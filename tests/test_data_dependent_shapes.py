@@ -8,7 +8,7 @@ written values is ``grad[mask]``, a ``nonzero`` the forward never ran: the joint
 ``DynamicOutputShapeException`` in dynamo's shape environment (plain ``torch.compile`` with
 ``aot_eager`` raises the same). Dynamo then either cut the graph again and ran the write as eager
 code (here) or, in GLM-Image, raised ``BackendCompilerFailed``. dcp allows data-dependent output
-sizes while it compiles (``dcp_compile/compiler/dynamic_output_shapes.py``). Parity on two gloo
+sizes while it compiles (``dcp_compile/compiler/workarounds/dynamic_output_shapes.py``). Parity on two gloo
 ranks under ``aot_eager`` (the joint trace is the same for Inductor), at a length the SP size
 divides and one it does not; every attention of every graph sharded, no fallback.
 

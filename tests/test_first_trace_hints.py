@@ -5,7 +5,7 @@ variant's compile specialise the per-rank length to 1 (a size-1 hint is a consta
 environment), and every later call of the variant at another length fails in a ``view``. Found by
 the long-sequence replay (``benchmarks/replay.py --setup replay_long_cpu``), whose warm-up now
 calls the longest micro-batch first. Such a variant is now traced at a hint that leaves every rank
-two tokens (``dcp_compile/compiler/trace_hints.py``).
+two tokens (``dcp_compile/compiler/workarounds/trace_hints.py``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Integer inputs that no tensor size explains get a graph of their own at 0 and 1
-(``compiler/free_integers``).
+(``compiler/workarounds/free_integers``).
 
 A graph break ahead of a model's body hands an ``int`` argument over as a symbolic input of its
 own (Hugging Face's ``logits_to_keep=0``): ``h[:, -keep:]`` is then a slice with an unknown
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dcp_compile.compiler.free_integers import IntegerSpecializations
+from dcp_compile.compiler.workarounds.free_integers import IntegerSpecializations
 from dcp_compile.testing.process_world import run_in_process_world
 
 
@@ -96,7 +96,7 @@ def test_only_zeros_and_ones_are_baked_in_and_past_the_limit_the_symbolic_graph_
 
 def test_the_limit_warns_once(caplog: pytest.LogCaptureFixture) -> None:
     specializations = IntegerSpecializations((0,), ("L_keep_",), lambda key: (lambda *args: key), limit=1)
-    with caplog.at_level(logging.WARNING, logger="dcp_compile.compiler.free_integers"):
+    with caplog.at_level(logging.WARNING, logger="dcp_compile.compiler.workarounds.free_integers"):
         answers = [specializations(keep) for keep in (0, 1, 1, 0)]
     assert answers == [(0,), (None,), (None,), (0,)]
     assert len([r for r in caplog.records if "more than 1 combinations" in r.getMessage()]) == 1

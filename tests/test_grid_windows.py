@@ -128,7 +128,7 @@ def test_windows_through_aot_autograd_and_recompute_policies():
 def _inductor_worker(rank, world_size):
     """The window's sizes (Max/Min of the chunk bounds) through Inductor's code generation, forward
     and backward, sharded with no gather, at two lengths (the second runs the backward compiled at
-    the first). Needs dcp's Inductor fixes, on by default (compiler/inductor_patches.py): on torch
+    the first). Needs dcp's Inductor fixes, on by default (compiler/workarounds/inductor_patches.py): on torch
     2.13 Inductor cannot order these models' strides (tokens ``H*W``, pytorch/pytorch#172204), rank 1's
     chunk bounds meet a negative power in its value ranges, and the backward's saved activations
     would keep the first length's strides."""

@@ -1,7 +1,8 @@
 """The import graph as a contract: no circle among the passes, rules that import only the analysis'
 model, symbolic and registry modules, lowerings that import only their registry and interface
 (they reach the interpreter through its read-only context), and no import from the compiler into
-the report (a record does not know its renderer).
+the report (a record does not know its renderer), and torch-version workarounds
+(``compiler/workarounds``) that are leaves: the core imports them, they import only each other.
 
 Edges are read from the source (``ast``), as a module names them: ``from a.b import c`` is an edge
 to ``a.b.c`` when that is a module, else to ``a.b``. Imports under ``if TYPE_CHECKING:`` are not
@@ -103,6 +104,29 @@ def test_no_import_after_code_in_the_passes():
     offenders = [str(path.relative_to(ROOT)) for module, path in MODULES.items()
                  if module.startswith(PASSES) and "E402" in path.read_text()]
     assert not offenders, offenders
+
+
+WORKAROUNDS = "dcp_compile.compiler.workarounds"
+
+
+def _in_workarounds(module: str) -> bool:
+    return module == WORKAROUNDS or module.startswith(WORKAROUNDS + ".")
+
+
+def test_the_workarounds_are_leaves():
+    """A workaround imports nothing of dcp's but another workaround (run or lazy), so it can go
+    when torch changes without taking anything of the core with it."""
+    offenders = [(module, target) for module, targets in IMPORTS.items() if _in_workarounds(module)
+                 for target, _ in targets if target.startswith("dcp_compile") and not _in_workarounds(target)]
+    assert not offenders, offenders
+
+
+def test_every_workaround_is_imported_by_the_core():
+    """A workaround no module outside the package imports is dead code (or a patch nobody turns on)."""
+    workarounds = {m for m in MODULES if _in_workarounds(m) and m != WORKAROUNDS}
+    assert workarounds
+    used = {target for module, targets in IMPORTS.items() if not _in_workarounds(module) for target, _ in targets}
+    assert workarounds <= used, sorted(workarounds - used)
 
 
 SEQUENCE_DIMS = f"{PASSES}.sequence_dims"

@@ -1,4 +1,4 @@
-"""dcp's scoped Inductor fixes (compiler/inductor_patches.py), on by default.
+"""dcp's scoped Inductor fixes (compiler/workarounds/inductor_patches.py), on by default.
 
 Quick: the sort of an image's token tensor ``[B, H*W, C]`` (strides ``16*H*W, 16, 1``, a product of
 two size symbols) fails in torch 2.13's Inductor, succeeds inside the patch with the right order,
@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from dcp_compile.compiler import inductor_patches as patches
+from dcp_compile.compiler.workarounds import inductor_patches as patches
 
 
 def _token_strides():

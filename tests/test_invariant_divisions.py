@@ -1,5 +1,5 @@
 """Loop-invariant divisions, opaque in Inductor's vector-range index simplification, give the same
-strides as Inductor's own simplification (dcp_compile/compiler/invariant_divisions.py)."""
+strides as Inductor's own simplification (dcp_compile/compiler/workarounds/invariant_divisions.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sympy
 from torch._inductor import sizevars
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
-from dcp_compile.compiler.invariant_divisions import invariant_divisions_opaque, with_invariant_divisions_opaque
+from dcp_compile.compiler.workarounds.invariant_divisions import invariant_divisions_opaque, with_invariant_divisions_opaque
 
 ks0, ks1 = sympy.symbols("ks0 ks1", integer=True, positive=True)
 x0, x1, x2, x3 = sympy.symbols("x0 x1 x2 x3", integer=True, nonnegative=True)

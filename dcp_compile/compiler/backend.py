@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from dcp_compile.compiler.dispatcher import Dispatcher
-from dcp_compile.compiler.free_integers import (
+from dcp_compile.compiler.workarounds.free_integers import (
     IntegerSpecializations, describe, free_integer_inputs, input_names, specialized_inputs, value_without_guard,
 )
 from dcp_compile.compiler.graph_capture import capture_aten_graph, retrace
@@ -31,7 +31,7 @@ from dcp_compile.compiler.passes import ANALYSIS_PASSES, VARIANT_PASSES, run_pas
 from dcp_compile.compiler.passes.context import Analysis, PassContext
 from dcp_compile.compiler.passes.shard_sequence import SCALAR_READS
 from dcp_compile.compiler.record import GraphRecord
-from dcp_compile.compiler.specialised_sizes import new_graph_reason, remember
+from dcp_compile.compiler.workarounds.specialised_sizes import new_graph_reason, remember
 from dcp_compile.compiler.variant_selection import active_variant
 from dcp_compile.runtime.process_groups import create_sp_groups
 

@@ -19,10 +19,10 @@ import torch
 import torch.fx as fx
 
 from dcp_compile.compiler.activation_offload import is_offloaded, marking_partition, offloading_block_inputs
-from dcp_compile.compiler.dynamic_output_shapes import dynamic_output_shapes_allowed
+from dcp_compile.compiler.workarounds.dynamic_output_shapes import dynamic_output_shapes_allowed
 from dcp_compile.compiler.progress import compile_stage, compiling
-from dcp_compile.compiler.invariant_divisions import invariant_divisions_opaque
-from dcp_compile.compiler.inductor_patches import (
+from dcp_compile.compiler.workarounds.invariant_divisions import invariant_divisions_opaque
+from dcp_compile.compiler.workarounds.inductor_patches import (
     caches_keyed_by_the_fix, stride_sort_with_shape_env, symbolic_forward_output_strides,
 )
 from dcp_compile.compiler.record import VariantRecord

@@ -116,7 +116,7 @@ def copy_module(region: fx.GraphModule) -> fx.GraphModule:
 def _compile_inductor(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
     from torch._inductor.compile_fx import compile_fx
 
-    from dcp_compile.compiler.inductor_patches import caches_keyed_by_the_fix, stride_sort_with_shape_env
+    from dcp_compile.compiler.workarounds.inductor_patches import caches_keyed_by_the_fix, stride_sort_with_shape_env
     from dcp_compile.compiler.inner_compilers import INDUCTOR_STRIDE_SORT_BUG, is_inductor_stride_sort_bug
 
     try:

@@ -13,6 +13,10 @@ cause a compile per value. At most :data:`SPECIALIZATION_LIMIT` graphs per dynam
 
 Only inputs whose symbols appear in no tensor input's shape are considered: a symbolic batch size
 or sequence length is the point of ``dynamic=True`` and never becomes a constant here.
+
+Covers: Dynamo on torch 2.13.0 handing an ``int`` argument across a graph break as a free symbolic
+input that no tensor size explains (no upstream issue filed).
+Test: tests/test_free_integers.py (``logits_to_keep=0`` compiled per value, sharded, at parity).
 """
 
 from __future__ import annotations

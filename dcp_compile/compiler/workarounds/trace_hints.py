@@ -11,6 +11,11 @@ is an expression such as ``Max(1, (s + 7) // 8)``, not a symbol.
 So the variant is traced with fresh fake inputs whose sizes are the same expressions with a larger
 hint for the length's symbol (two tokens per rank), as regions trace at each call's sizes. The
 shape environment's own hint is raised for the trace and restored after it.
+
+Covers: the shape environment on torch 2.13.0 answering an undecidable size question from the
+first call's hint, which size-oblivious tracing does not cover for ``Max(1, (s + 7) // 8)`` (no
+upstream issue filed).
+Test: tests/test_first_trace_hints.py (a first call of one token per rank fixed the variant to it).
 """
 
 from __future__ import annotations

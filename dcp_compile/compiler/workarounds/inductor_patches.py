@@ -26,6 +26,12 @@ wherever torch has what it reads, and keys the compile's cache entries by a tag
 
 ``DCP_INDUCTOR_PATCHES=0`` turns all three off (Inductor as shipped: a model that meets the sort bug
 then runs that variant under ``aot_eager``, exact, and ``dcp.explain`` says so).
+
+Covers: Inductor on torch <= 2.13 (written against 2.13.0) sorting symbolic strides without the
+shape environment (pytorch/pytorch#172204, fix proposed in pytorch/pytorch#185871), and its value
+range analysis raising on a negative power (no upstream issue filed); the third fix is dcp's own.
+Test: tests/test_inductor_patches.py (a conv model compiles with Inductor at two lengths, no
+fallback; with ``DCP_INDUCTOR_PATCHES=0`` it falls back to ``aot_eager``: tests/test_grid_windows.py).
 """
 
 from __future__ import annotations

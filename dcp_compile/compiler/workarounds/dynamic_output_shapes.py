@@ -11,6 +11,11 @@ every inner compiler but ``eager``; plain ``torch.compile`` with ``aot_eager`` o
 the same on torch 2.13. The size such an op creates is an unbacked symbol, which AOTAutograd and
 Inductor handle (they do when the user sets the flag), so dcp allows these ops while it traces and
 compiles its variants, and only then: dynamo's own capture is left as the user configured it.
+
+Covers: AOTAutograd's joint trace on torch 2.13.0 raising ``DynamicOutputShapeException`` for a
+backward ``nonzero`` the forward never ran, unless ``capture_dynamic_output_shape_ops`` is set
+(related upstream report: pytorch/pytorch#114686, an index in a backward pass under ``aot_eager``).
+Test: tests/test_data_dependent_shapes.py (slow tier: the masked write raises without it).
 """
 
 from __future__ import annotations

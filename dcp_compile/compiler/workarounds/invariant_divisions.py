@@ -16,6 +16,11 @@ all 60 C++ kernels the two variants compiled were byte for byte the same with an
 
 Scoped to dcp's Inductor compiles, and off with ``DCP_INDUCTOR_PATCHES=0`` like dcp's other
 Inductor patches.
+
+Covers: Inductor's C++ tiling analysis on torch 2.13.0 running ``sympy.simplify`` over whole index
+expressions (``simplify_index_in_vec_range``), slow on ``FloorDiv``; compile time only, results are
+the same without it (no upstream issue filed).
+Test: tests/test_invariant_divisions.py (strides equal to Inductor's own, the patch scoped).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Callable, Iterator
 
 import sympy
 
-from dcp_compile.compiler.inductor_patches import switched_off
+from dcp_compile.compiler.workarounds.inductor_patches import switched_off
 
 
 def _division_kinds() -> tuple[type, ...]:

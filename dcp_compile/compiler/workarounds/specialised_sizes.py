@@ -8,6 +8,11 @@ once more. Without a word, that looked like dcp recompiling for nothing. The bac
 graph, so it keeps, per dynamo frame, the sizes of the inputs of each graph it was handed since the
 frame's first compile, and names the dimensions that were symbolic in an earlier graph and are 0 or
 1 in this one (or the reverse: an earlier graph was specialised to 1 and this one is symbolic).
+
+Covers: Dynamo on torch 2.13.0 specialising every dimension of size 0 or 1, even under
+``dynamic=True`` and ``mark_dynamic`` (its documented 0/1 specialisation; no upstream issue filed):
+this module says why the new graph came, it does not avoid it.
+Test: tests/test_progress.py (``test_a_micro_batch_of_one_sample_says_why_it_is_a_new_graph``).
 """
 
 from __future__ import annotations
