@@ -10,6 +10,7 @@ two tokens (``dcp_compile/compiler/workarounds/trace_hints.py``).
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -73,6 +74,7 @@ def first_trace_worker(rank: int, world_size: int, lengths: list[int]) -> int:
     return len(lengths)
 
 
+@pytest.mark.slow
 def test_a_first_trace_of_one_token_per_rank_trains_at_parity_on_two_ranks() -> None:
     """Two gloo ranks, SP 2, a first call of 2 tokens (one a rank), then 37 and 2 again: the loss
     and the summed gradients as eager's on the full batch, every attention sharded."""
