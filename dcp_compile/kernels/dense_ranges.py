@@ -4,7 +4,9 @@ One rule, read by two parties: the reference kernel (:mod:`.varlen_attention_ref
 runs it, and the cost model, which must count the scores the kernel really computes. A Python loop
 over many short sequences costs more in per-op overhead than their attention, so when the row's
 ``T^2`` scores are within 2x of the sequences' ``sum L^2`` (or the row is short) the kernel makes
-one masked pass over the whole row: then it computes ``T^2`` scores, not ``sum L^2``.
+one masked pass over the whole row: then it computes ``T^2`` scores, not ``sum L^2``. Under a causal
+mask the kernel's query blocks skip the keys past their last query, so it computes between half
+those counts and the counts; the profile's per-key term absorbs the factor.
 """
 
 from __future__ import annotations
