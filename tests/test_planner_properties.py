@@ -19,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dcp_compile.schedule.cost_model import CostModel, ModelProfile
@@ -142,12 +142,16 @@ def test_planner_never_loses_to_the_baselines_and_fits_many_steps(seed, distribu
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "a known defect (issue 37 item 6): cap monotonicity is not guaranteed by construction: a search under a larger "
+    "cap can find a worse local optimum; with dynamic CP under every policy among the candidates, one draw of 400 "
+    "pairs passed and another held one pair 1.3% slower under the larger cap (long-tail, 16 ranks, caps 0.8/0.85). "
+    "The shrunk pair is an explicit example, so the draw (seeded from this function's source) cannot hide it; "
+    "an XPASS (the defect gone) fails the suite until this mark goes"))
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(**steps)
+@example(seed=0, distribution="long-tail", world=16, count=9, pair=(1, 2))
 def test_larger_cap_is_never_slower_many_steps(seed, distribution, world, count, pair) -> None:
-    """400 derandomized cap pairs. Not guaranteed by construction (a search under a larger cap can
-    still find a worse local optimum); it passes on these since the planner keeps dynamic CP under
-    every policy as a candidate (before: 0.5-1% of pairs up to ~5% slower under the larger cap)."""
     check_step(seed, distribution, world, count, _pair(distribution, pair))
 
 
