@@ -22,7 +22,8 @@ from .analytic import ScoreLayout
 from .plan import Schedule
 from .plan_tables import EPSILON
 from .user_baselines import (
-    DYNAMIC_CP_THRESHOLD_SHARES, BalancedStaticSP, DynamicCP, PackedStaticCP, dynamic_cp_at_share, gpus_needed,
+    DYNAMIC_CP_THRESHOLD_SHARES, BalancedStaticSP, PackedStaticCP, dynamic_cp_at_share, dynamic_cp_threshold,
+    gpus_needed,
 )
 
 if TYPE_CHECKING:
@@ -103,38 +104,54 @@ def best_of_baselines(planner: "Planner", schedule: Schedule, lengths: Sequence[
                 if not config.pack_equal_lengths_only and config.max_tokens_per_rank is None:
                     candidates.append(lambda level=level, policy=policy: PackedStaticCP(
                         planner.cost_model, world, planner.memory_cap, planner.sizes[level], longest, recompute=policy))
-    if not config.pack_equal_lengths_only and len(allowed_levels) == planner.levels:
-        # Every policy at every threshold a user tries: the grid comparison.py tunes dynamic CP over,
-        # so no threshold and policy tuned with hindsight plans a step faster than this planner. With
-        # only the fastest policy that holds the longest sequence, dynamic CP tuned to `selective`
-        # planned 3% faster on the long-sequence replay (replay_long_cpu, 8 ranks).
-        for policy in planner.allowed_policies:
-            for share in DYNAMIC_CP_THRESHOLD_SHARES:
-                candidates.append(lambda share=share, policy=policy: dynamic_cp_at_share(
-                    planner.cost_model, world, planner.memory_cap, longest, share, recompute=policy,
-                    **restrictions))
-    for build in candidates:
+    # Every policy at every threshold a user tries: the grid comparison.py tunes dynamic CP over, so
+    # no threshold and policy tuned with hindsight plans a step faster than this planner. With only
+    # the fastest policy that holds the longest sequence, dynamic CP tuned to `selective` planned 3%
+    # faster on the long-sequence replay (replay_long_cpu, 8 ranks).
+    dynamic_grid = [(policy, share) for policy in planner.allowed_policies for share in DYNAMIC_CP_THRESHOLD_SHARES] \
+        if not config.pack_equal_lengths_only and len(allowed_levels) == planner.levels else []
+
+    def consider(scheduler) -> None:
+        nonlocal best, best_makespan
         try:
-            scheduler = build()
-            if isinstance(scheduler, DynamicCP):
-                level_of = {size: j for j, size in enumerate(planner.sizes)}
-                needed = {shape: gpus_needed(shape[0], scheduler.max_seqlen_per_rank) for shape in distinct}
-                if any(size not in level_of for size in needed.values()):
-                    continue  # a CP size the planner does not build (heads or world it cannot split over)
-                sizes_of = {shape: level_of[size] for shape, size in needed.items()}
-                policy = [RECOMPUTE_POLICIES.index(scheduler.policy)]
-                if _makespan_bound(planner, sizes_of, distinct, policy, tokens) >= best_makespan - EPSILON:
-                    continue
             candidate = scheduler.schedule(lengths, spans)
         except ValueError:  # the baseline cannot plan this step under the planner's restrictions
-            continue
+            return
         for microbatch in candidate.microbatches:
             microbatch.round = 0
         candidate = planner.finish(Schedule(world, candidate.microbatches, scheduler="dcp", chosen_from=scheduler.name),
                                    lengths, keys, dense_rows)
-        makespan = candidate.makespan
-        if makespan < best_makespan - EPSILON:
-            log.debug("planner: %s's plan (%.4g s) beats the planned one (%.4g s)", scheduler.name, makespan, best_makespan)
-            best = candidate
-            best_makespan = makespan
+        if candidate.makespan < best_makespan - EPSILON:
+            log.debug("planner: %s's plan (%.4g s) beats the planned one (%.4g s)", scheduler.name,
+                      candidate.makespan, best_makespan)
+            best, best_makespan = candidate, candidate.makespan
+
+    for build in candidates:
+        try:
+            scheduler = build()
+        except ValueError:  # the baseline cannot hold this step under the planner's restrictions
+            continue
+        consider(scheduler)
+    level_of = {size: j for j, size in enumerate(planner.sizes)}
+    for policy, share in dynamic_grid:
+        # The threshold from the planner's own capacity tables (the same cost model, cap and
+        # restrictions as the scheduler's), so that a candidate the bound rules out is never built:
+        # building one prices every group size's capacity again.
+        p = RECOMPUTE_POLICIES.index(policy)
+        threshold = dynamic_cp_threshold(min(planner.capacity[j][p] // size for j, size in enumerate(planner.sizes)),
+                                         share)
+        if threshold < 1 or gpus_needed(longest, threshold) > world:
+            continue  # the policy cannot hold the longest sequence at this threshold
+        needed = {shape: gpus_needed(shape[0], threshold) for shape in distinct}
+        if any(size not in level_of for size in needed.values()):
+            continue  # a CP size the planner does not build (heads or world it cannot split over)
+        sizes_of = {shape: level_of[size] for shape, size in needed.items()}
+        if _makespan_bound(planner, sizes_of, distinct, [p], tokens) >= best_makespan - EPSILON:
+            continue
+        try:
+            scheduler = dynamic_cp_at_share(planner.cost_model, world, planner.memory_cap, longest, share,
+                                            recompute=policy, **restrictions)
+        except ValueError:
+            continue
+        consider(scheduler)
     return best

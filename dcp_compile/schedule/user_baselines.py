@@ -47,7 +47,7 @@ from .cost_model import CostModel
 from .plan import Schedule, ScheduledMicroBatch
 
 __all__ = ["DYNAMIC_CP_THRESHOLD_SHARES", "BalancedStaticSP", "DynamicCP", "PackedStaticCP", "dynamic_cp_at_share",
-           "gpus_needed"]
+           "dynamic_cp_threshold", "gpus_needed"]
 
 # The per-rank thresholds a user tries for dynamic CP, as shares of the most every group size holds.
 DYNAMIC_CP_THRESHOLD_SHARES = (1.0, 0.5, 0.25, 0.125)
@@ -397,4 +397,10 @@ def dynamic_cp_at_share(cost_model: CostModel, world_size: int, memory_cap: floa
     if share == 1.0:
         return safe
     return DynamicCP(cost_model, world_size, memory_cap, max_length, recompute=safe.policy,
-                     max_seqlen_per_rank=max(1, int(safe.max_seqlen_per_rank * share)), **restrictions)
+                     max_seqlen_per_rank=dynamic_cp_threshold(safe.max_seqlen_per_rank, share), **restrictions)
+
+
+def dynamic_cp_threshold(safe: int, share: float) -> int:
+    """The per-rank threshold at ``share`` of ``safe``, the most tokens per rank every group size
+    holds (what :func:`dynamic_cp_at_share` gives dynamic CP)."""
+    return safe if share == 1.0 else min(safe, max(1, int(safe * share)))
