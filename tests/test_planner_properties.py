@@ -174,12 +174,15 @@ def test_planner_beats_dynamic_cp_tuned_to_any_policy_on_a_measured_cost_model()
     sequence, and dynamic CP tuned to ``selective`` planned 1-3% faster there."""
     from dataclasses import replace
 
+    import torch
+
+    from benchmark_scripts import load_benchmark
     from dcp_compile.schedule.comparison import Budget
 
     setup = workloads.load()["setups"]["replay_long_cpu"]
     measured = CostModel.load(Path(__file__).parent / "data" / "replay_long_cpu_profile.json")
-    state = measured.memory_coefficients(8, "lean").fixed_bytes  # the replay's stand-in cap (stand_in_cap)
-    cap = state + 1.02 * (measured.peak_memory([setup["context_window"]], 8, "lean") - state)
+    cap = load_benchmark("replay").stand_in_cap(measured, setup["context_window"], torch.device("cpu"),
+                                                **setup["stand_in"])
     world = 8
     model = replace(measured, hardware=replace(measured.hardware, memory_capacity=cap / setup["memory_fraction"]),
                     optimizer_shards=world)
