@@ -328,8 +328,9 @@ REGION_NOTES = [
     ("TinyGPT at SP 1 under regional `attention` and `full`: its v is a view of the fused q/k/v projection while q "
      "and k are rotated copies, so the attention's checkpoint keeps the whole projection: 5 hidden-wide tensors per "
      "layer, not 3. Priced since 2026-12-06 (`ModelProfile.attention_input_storage_bytes_per_token`: "
-     "`transformer(fused_qkv=True)`, or read off the storages behind the attention's q, k, v by `ModelProfile.measure`); "
-     "before, these rows read -7.3%, -7.4% (`attention`) and -11.6% (`full`). `tinygpt-copied-v` is TinyGPT with "
+     "`transformer(fused_qkv=True)`, or read off the storages behind the attention's q, k, v by `ModelProfile.measure`; "
+     "the stored rows' model column repriced with `--reprice` at b9ba983, their measurements unchanged); before, "
+     "these rows read -7.3%, -7.4% (`attention`) and -11.6% (`full`). `tinygpt-copied-v` is TinyGPT with "
      "`v.contiguous()` in its blocks, priced without it. The whole-graph `none` rows' -7% at SP 1 has the same cause "
      "(v's view keeps the projection) and is not priced yet."),
     ("Regional `none` measured 4-5% below whole-graph `none` (TinyGPT; each region is partitioned apart): not "
