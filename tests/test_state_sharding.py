@@ -245,16 +245,21 @@ def test_dearer_rounds_make_fewer_larger_micro_batches() -> None:
     """The planner trades micro-batch count against the round's collectives: the same step on a
     slower network (every round's all-gathers and reduce-scatters cost more) packs into fewer
     rounds, and it is never planned in more rounds than there are micro-batches on a rank."""
-    lengths = [20_000] * 30  # 75k tokens per rank: several rounds at SP 1
-    fast = Planner(llama(8, "sharded", TWO_PER_NODE), 8).plan(lengths)
+    # 250k tokens per rank: more than one round holds at SP 1 on the fast link. (30 x 20k, the step
+    # this test used first, now packs into one round on either link: dynamic CP under full recompute,
+    # a candidate since 052d8c7, beats the two rounds at SP 2 the planner chose before.)
+    lengths = [50_000] * 40
+    fast_model = llama(8, "sharded", TWO_PER_NODE)
+    fast = Planner(fast_model, 8).plan(lengths)
+    check_rounds(fast_model, fast, lengths, None, 8)
     slow_link = replace(TWO_PER_NODE, inter_node_bandwidth=TWO_PER_NODE.inter_node_bandwidth / 20)
     slow_model = llama(8, "sharded", slow_link)
-    assert slow_model.state_round_seconds() > 10 * llama(8, "sharded", TWO_PER_NODE).state_round_seconds()
+    assert slow_model.state_round_seconds() > 10 * fast_model.state_round_seconds()
     slow = Planner(slow_model, 8).plan(lengths)
     check_rounds(slow_model, slow, lengths, None, 8)
     assert slow.rounds < fast.rounds, (slow.rounds, fast.rounds)  # 1 against 2 at this commit
-    # 8 micro-batches each at this commit (16 against 30 before the loss was tiled, when a micro-batch
-    # held fewer tokens): the slow link's are at SP 1 in one round, the fast link's at SP 2 in two
+    # 8 micro-batches against 16 at this commit: the slow link's hold twice the tokens (offloading
+    # block inputs to fit them), the fast link's run at SP 1 under full recompute in two rounds
     assert len(slow.microbatches) <= len(fast.microbatches)
 
 
