@@ -68,8 +68,10 @@ def compiled_saved_bytes(sp_size: int) -> dict[RecomputePolicy, tuple[int, int, 
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = TinyGPT(vocab=VOCAB, hidden=HIDDEN, layers=LAYERS, heads=HEADS)
-    options = {"inner": "aot_eager", "sp_size": 1} if sp_size == 1 else {
-        "inner": "aot_eager", "buckets": [{"max_len": None, "sp_size": sp_size}]}
+    # Compiled whole: the partitioner's forward graph is what is read (regional variants keep what
+    # test_regional_saved_bytes.py counts).
+    options = {"inner": "aot_eager", "regions": False, "sp_size": 1} if sp_size == 1 else {
+        "inner": "aot_eager", "regions": False, "buckets": [{"max_len": None, "sp_size": sp_size}]}
     compiled = torch.compile(model, backend="dcp", dynamic=True, options=options)
     ids = torch.randint(0, VOCAB, (1, LENGTH))
     saved = {}

@@ -224,7 +224,7 @@ def test_the_html_report_names_the_regions(fake_world):
     with dcp.use(dcp.Variant(2)):
         page = model_report_html(dcp.explain(compiled, **case.make_inputs(20)))
     assert "compiled region(s) (shared by code across variants)" in page
-    assert "regional compilation: each region partitions its own backward" in page
+    assert "as its first call kept them (regions)" in page  # saved bytes, counted at the first call
     assert "reused from the cache at its first call" in page  # the regions' compiles beside the variant's
 
 

@@ -145,8 +145,10 @@ def recompute_records():
     try:
         case = ZOO["gpt"]
         model = case.build()
+        # Compiled whole: these tests read the partitioner's forward and backward graphs (a regional
+        # variant has neither; test_regional_saved_bytes.py counts what one keeps).
         compiled = torch.compile(model, backend="dcp", dynamic=True, options={
-            "inner": "aot_eager", "buckets": [{"max_len": None, "sp_size": 2}]})
+            "inner": "aot_eager", "regions": False, "buckets": [{"max_len": None, "sp_size": 2}]})
         records = {}
         for name in ("none", "attention", "selective", "full", "none@sp1", "attention@sp1"):
             policy, _, sp = name.partition("@sp")

@@ -34,7 +34,8 @@ from dcp_compile.runtime.graph_parameters import note_graph_call, note_graph_out
 from dcp_compile.runtime.process_groups import current_world, sp_group
 from dcp_compile.compiler.record import GraphRecord, RegionCompiles, VariantRecord
 from dcp_compile.compiler.regions import (
-    INNER_REGION_COMPILERS, REGIONAL_POLICIES, describe_regions, regional_module, whole_graph_reason,
+    INNER_REGION_COMPILERS, REGIONAL_POLICIES, counting_kept_for_backward, describe_regions, regional_module,
+    whole_graph_reason,
 )
 from dcp_compile.compiler.self_check import check_first_call
 from dcp_compile.compiler.variant_selection import BucketTable, active_sequence_boundaries, active_variant
@@ -162,6 +163,10 @@ class Dispatcher:
         def run() -> Any:
             return compiled(*args, *(graph_input.provide() for graph_input in added)) if added else compiled(*args)
 
+        if variant_record.compiled_in_regions and variant_record.saved_activation_bytes is None and (
+                torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            run = counted_at_first_run(run, args, variant_record)
+
         # the rank check issued beside this call is compared by its end; a regional variant's call
         # reports the regions it compiled (a whole-graph call skips that bookkeeping)
         reporting = (self.regions_reported(variant, scalars, variant_record) if variant_record.compiled_in_regions
@@ -278,6 +283,20 @@ class Dispatcher:
         variant_record.regions = describe_regions(plan)
         variant_record.compiled_in_regions = True
         return parent
+
+
+def counted_at_first_run(run: Callable[[], Any], args: tuple, variant_record: VariantRecord) -> Callable[[], Any]:
+    """``run``, whose first run under grad (the self-check may run it once more) records what the
+    regional variant keeps for backward (``regions.kept_for_backward``)."""
+    def counted() -> Any:
+        if variant_record.saved_activation_bytes is not None:
+            return run()
+        with counting_kept_for_backward(args) as account:
+            result = run()
+        variant_record.saved_activation_bytes = account.total_bytes
+        variant_record.saved_at_first_call = True
+        return result
+    return counted
 
 
 # dcp's own ops that communicate inside (the halo exchange of a token grid's window).

@@ -76,6 +76,7 @@ class VariantRecord:
     forward_graph: str | None = None
     backward_graph: str | None = None
     saved_activation_bytes: int | None = None  # per rank, at the traced length; inputs and their views excluded
+    saved_at_first_call: bool = False  # regions: saved_activation_bytes counted as the first call kept them
     offloaded_activation_bytes: int = 0  # saved for backward in host memory (recompute=offload, lean)
     saved_rng_state_bytes: int = 0  # generator states kept so recomputed seeded ops (SDPA) repeat their draws
     compile_seconds: float = 0.0
@@ -201,7 +202,9 @@ class GraphRecord:
                 lines.append(f"    ran on gathered inputs: {fallback}")
             if variant.saved_activation_bytes is not None:
                 rng = f" + {variant.saved_rng_state_bytes} bytes of RNG state for recomputation" if variant.saved_rng_state_bytes else ""
-                lines.append(f"    activations saved for backward: {variant.saved_activation_bytes} bytes{rng} (symbolic sizes at the traced length)")
+                how = ("as its first call kept them (regions)" if variant.saved_at_first_call
+                       else "symbolic sizes at the traced length")
+                lines.append(f"    activations saved for backward: {variant.saved_activation_bytes} bytes{rng} ({how})")
                 if variant.offloaded_activation_bytes:
                     lines.append(f"    and in host memory until backward: {variant.offloaded_activation_bytes} bytes "
                                  "(the blocks' inputs, recompute=offload/lean)")

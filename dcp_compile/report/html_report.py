@@ -107,8 +107,10 @@ def _stats_table(variant: "VariantRecord") -> str:
         unsharded = f"whole graph: {variant.fallback_reason}"
     else:
         unsharded = str(len(variant.unsharded_sites) + len(variant.local_fallbacks))
-    if variant.compiled_in_regions:
-        saved = "not counted (regional compilation: each region partitions its own backward)"
+    if variant.compiled_in_regions and variant.saved_activation_bytes is None:
+        saved = "not counted (regional compilation: counted at the first call under grad, which has not run)"
+    elif variant.saved_at_first_call:
+        saved = f"{_bytes(variant.saved_activation_bytes)} per rank, as its first call kept them (regions)"
     elif variant.saved_activation_bytes is None:
         saved = "not measured (inner compiler 'eager' partitions no backward)"
     else:

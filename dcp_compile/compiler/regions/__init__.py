@@ -44,6 +44,7 @@ from dcp_compile.compiler.regions.cache import (
 )
 from dcp_compile.compiler.regions.canonical_form import canonical_code, canonical_views, drop_unused_inputs
 from dcp_compile.compiler.regions.fresh_symbols import UnsupportedRegion, fresh_inputs
+from dcp_compile.compiler.regions.kept_for_backward import counting_kept_for_backward, note_checkpoint_inputs
 from dcp_compile.compiler.regions.split import RegionKind, RegionPlan, describe_regions, split_into_regions
 from dcp_compile.variant import RecomputePolicy
 
@@ -121,6 +122,7 @@ class Region(torch.nn.Module):
     def forward(self, *args: Any) -> Any:
         if self.recomputed and torch.is_grad_enabled() and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            note_checkpoint_inputs(args)
             return checkpoint(self.run, *args, use_reentrant=False)
         return self.run(*args)
 
@@ -152,5 +154,6 @@ def regional_module(gm: fx.GraphModule, inner: str, recompute: RecomputePolicy,
 
 __all__ = ["INNER_REGION_COMPILERS", "MAX_COMPILES_PER_REGION", "REGIONAL_POLICIES", "REGION_CACHE",
            "WHOLE_GRAPH_REASONS", "GuardedCompile", "Region", "RegionKind", "RegionPlan", "UnsupportedRegion",
-           "canonical_code", "canonical_views", "compile_region", "describe_regions", "fresh_inputs",
+           "canonical_code", "canonical_views", "compile_region", "counting_kept_for_backward", "describe_regions",
+           "fresh_inputs",
            "regional_module", "split_into_regions", "whole_graph_reason"]
