@@ -80,6 +80,7 @@ def run_block_parity(world_size: int, cases: list[str], lengths: list[int], inne
         assert all(result[name] == results[0][name] for result in results), [r[name] for r in results]
 
 
+@pytest.mark.slow
 def test_gpt_and_llama_at_parity_on_two_ranks():
     pytest.importorskip("transformers", reason="the Hugging Face Llama needs `pip install .[hf]`")
     run_block_parity(2, ["gpt", "hf_llama"], [12, 7])

@@ -184,6 +184,7 @@ def test_plans_mix_sp_sizes_and_weight_by_supervised_tokens() -> None:
     assert sizes == {1, 2, 4}
 
 
+@pytest.mark.slow  # 26 s; test_gradient_sync.py checks the same step on a smaller model in the quick tier
 def test_dcp_backend_step_equals_mean_token_loss_over_the_global_batch() -> None:
     results = run_in_process_world(train_rank, WORLD_SIZE, timeout=900)
     expected_gradients, expected_parameters, expected_losses = reference_training()

@@ -200,7 +200,8 @@ def _guide_loop(rank: int, world_size: int, block: str, inner: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.slow, id="inductor")])
+@pytest.mark.slow  # 40 s; the fully sharded guide loop (test_fsdp_sharded.py) runs in the quick tier
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
 def test_the_guide_fsdp2_loop_runs_and_trains_the_global_batches(inner: str) -> None:
     pytest.importorskip("transformers")
     results = run_in_process_world(_guide_loop, 2, guide_block(), inner, timeout=900)

@@ -174,6 +174,7 @@ def test_an_uninterrupted_run_says_complete(tmp_path: Path) -> None:
     assert table.read_text().startswith("status: complete: 5 of 5 cases")
 
 
+@pytest.mark.slow
 def test_a_step_past_its_budget_is_stopped_and_its_tables_say_partial(tmp_path: Path) -> None:
     """The kernel benchmark's dry run, made to last (40 timed calls per case: over a minute, where the
     plain dry run takes 5-20 s, too close to any budget on an idle machine) under a 10 s budget:

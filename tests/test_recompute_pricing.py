@@ -28,6 +28,10 @@ from dcp_compile.demo.example_models import TinyGPT
 from dcp_compile.schedule.cost_model import ModelProfile
 from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy, Variant, offloads_block_inputs
 
+# 45 s on 2 cores, slow: regions are the default, and test_regional_saved_bytes.py checks what the
+# default's variants keep in the quick tier; this checks the whole-graph compile's (regions=False).
+pytestmark = pytest.mark.slow
+
 VOCAB, HIDDEN, LAYERS, HEADS = 512, 128, 2, 4
 LENGTH = 256  # traced at this length: saved bytes are read off the symbolic sizes at the traced length
 # The profile prices every per-token tensor of a standard block and of the head and loss, and

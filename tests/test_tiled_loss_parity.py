@@ -98,6 +98,7 @@ def test_one_process() -> None:
     run_tiled_parity(1, ["tinygpt", "gpt", "hf_llama"], [12, 7], ["attention", "full"])
 
 
+@pytest.mark.slow
 def test_two_ranks() -> None:
     pytest.importorskip("transformers", reason="the Hugging Face models need `pip install .[hf]`")
     run_tiled_parity(2, ["tinygpt", "hf_llama", "hf_gpt2"], [12, 7], ["selective", "block"])

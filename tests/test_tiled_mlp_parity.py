@@ -86,6 +86,7 @@ def run_lean_parity(world_size: int, names: list[str], lengths: list[int], polic
     assert all(result["checked"] == len(names) * len(lengths) for result in results), results
 
 
+@pytest.mark.slow
 def test_gpt_and_llama_on_two_ranks() -> None:
     pytest.importorskip("transformers", reason="the Hugging Face Llama needs `pip install .[hf]`")
     run_lean_parity(2, ["gpt", "hf_llama"], [12, 7])

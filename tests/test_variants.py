@@ -170,6 +170,7 @@ def recompute_records():
 A2A = "_c10d_functional.all_to_all_single.default("
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["none", "attention", "selective", "full"])
 def test_backward_sends_as_many_all_to_alls_as_forward(recompute_records, policy):
     record = recompute_records[policy]
@@ -180,6 +181,7 @@ def test_backward_sends_as_many_all_to_alls_as_forward(recompute_records, policy
 ALL_REDUCE = "_c10d_functional.all_reduce.default("
 
 
+@pytest.mark.slow
 def test_returned_loss_needs_no_collective_in_backward(recompute_records):
     # The loss (a shard-local sum and count, all-reduced) is returned as it is: its gradient is the
     # same on every rank, so backward multiplies by P locally instead of all-reducing again.
@@ -188,11 +190,13 @@ def test_returned_loss_needs_no_collective_in_backward(recompute_records):
     assert record.backward_graph.count(ALL_REDUCE) == 0
 
 
+@pytest.mark.slow
 def test_recompute_trades_saved_activations(recompute_records):
     saved = {policy: record.saved_activation_bytes for policy, record in recompute_records.items()}
     assert saved["none"] > saved["attention"] > saved["selective"] > saved["full"], saved
 
 
+@pytest.mark.slow
 def test_attention_recompute_saves_less_than_none(recompute_records):
     saved = {policy: record.saved_activation_bytes for policy, record in recompute_records.items()}
     assert saved["none"] > saved["attention"] > saved["full"], saved
@@ -209,6 +213,7 @@ def test_attention_recompute_saves_less_than_none(recompute_records):
     assert saved["none"] > saved["attention"] + rng["attention"], (saved, rng)
 
 
+@pytest.mark.slow
 def test_attention_recompute_without_sequence_parallelism_also_drops_projections(recompute_records):
     """At SP 1 there is no all-to-all to stop at: q, k, v are recomputed from the normed input."""
     saved = {name: record.saved_activation_bytes for name, record in recompute_records.items()}
