@@ -106,7 +106,7 @@ def tiles_mlp(recompute: RecomputePolicy | str) -> bool:
 
 # Whether the backend compiles in regions unless ``options={"regions": ...}`` says otherwise; the cost
 # model's ``CostModel.regions`` defaults to it too, so that the memory it prices is what runs.
-REGIONS_BY_DEFAULT = False
+REGIONS_BY_DEFAULT = True
 
 # Policies that regional compilation (``options={"regions": True}``) applies at run time with
 # ``torch.utils.checkpoint`` around its regions, so that what they keep is the regions' inputs,

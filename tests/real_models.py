@@ -1385,10 +1385,11 @@ def _record_sharding(row: dict[str, Any], record: Any, budget: int) -> None:
 
 def zoo_worker(rank: int, world_size: int, case_name: str, lengths: tuple[int, ...] | None = None,
                sp_size: int | None = None, inner: str = "eager", rtol: float = RTOL, atol: float = ATOL,
-               regions: bool = False) -> list[dict[str, Any]]:
+               regions: bool | None = None) -> list[dict[str, Any]]:
     """Compile one case with the dcp backend once, then for each length: ``dcp.explain`` (sharding
     checks against the case's gather budget) and forward+backward parity with eager on the full
-    batch. Never raises: every exception becomes the row's ``error`` (and a failure)."""
+    batch. Never raises: every exception becomes the row's ``error`` (and a failure). ``regions``:
+    the compile option, left to the backend's default when ``None``."""
     import time
     import traceback
 
@@ -1403,8 +1404,10 @@ def zoo_worker(rank: int, world_size: int, case_name: str, lengths: tuple[int, .
     try:
         torch._dynamo.reset()
         model = case.build()
-        compiled = torch.compile(model, backend="dcp", dynamic=True,
-                                 options={"inner": inner, "sp_size": sp_size or world_size, "regions": regions})
+        options = {"inner": inner, "sp_size": sp_size or world_size}
+        if regions is not None:
+            options["regions"] = regions
+        compiled = torch.compile(model, backend="dcp", dynamic=True, options=options)
     except Exception as exc:  # noqa: BLE001
         for row in rows:
             row.update(error=f"build/compile: {_first_line(exc)}", error_where=_where(exc), traceback=traceback.format_exc()[-6000:])

@@ -100,9 +100,9 @@ def test_a_ring_layout_under_regions_is_priced_as_none() -> None:
 
 
 def test_cost_model_regions_prices_capacity_and_round_trips(tmp_path) -> None:
-    whole = CostModel(LLAMA, Hardware.H100, optimizer_shards=8)
+    whole = CostModel(LLAMA, Hardware.H100, optimizer_shards=8, regions=False)
     regional = CostModel(LLAMA, Hardware.H100, optimizer_shards=8, regions=True)
-    assert whole.regions is False  # as the compile option's default
+    assert CostModel(LLAMA, Hardware.H100, optimizer_shards=8).regions is True  # as the compile option's default
     cap = 0.9 * Hardware.H100.memory_capacity
     assert regional.token_capacity(1, "full", cap) < whole.token_capacity(1, "full", cap)
     assert regional.token_capacity(1, "block", cap) == whole.token_capacity(1, "block", cap)

@@ -63,8 +63,9 @@ def tinygpt_records():
     try:
         torch.manual_seed(0)
         model = TinyGPT(vocab=VOCAB, hidden=HIDDEN, layers=2, heads=4)
+        # compiled whole: the tests read the partitioned forward and backward graphs
         compiled = torch.compile(model, backend="dcp", dynamic=True, options={
-            "inner": "aot_eager", "loss_chunk": CHUNK, "buckets": [{"max_len": None, "sp_size": 2}]})
+            "inner": "aot_eager", "regions": False, "loss_chunk": CHUNK, "buckets": [{"max_len": None, "sp_size": 2}]})
         ids = torch.randint(0, VOCAB, (1, LENGTH), generator=torch.Generator().manual_seed(0))
         records = {}
         for variant in [Variant(1, "none"), Variant(1, "attention"), Variant(2, "none"), Variant(2, "selective"),
