@@ -215,6 +215,31 @@ def test_a_region_with_a_data_dependent_size_compiles_in_its_own_shape_environme
     torch.testing.assert_close(entry.compiled(x, mask)[0], x[mask] * 2)
 
 
+def test_a_region_whose_input_size_only_the_data_decides_is_compiled():
+    """Mochi's region after its text selection takes a tensor whose length is an unbacked symbol of
+    the variant's trace (it ran uncompiled: "an input size only the data decides"). In the region's
+    own shape environment that length is a size like any other, hinted by the call and held by the
+    guards; it may be 0, which a traced backed size may not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    REGION_CACHE.clear()
+    shape_env = ShapeEnv()
+    with FakeTensorMode(shape_env=shape_env):
+        selected = torch.empty(shape_env.create_unbacked_symint(), 4)
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = selected
+    graph.output((graph.call_function(torch.ops.aten.add.Tensor, (graph.call_function(
+        torch.ops.aten.mul.Tensor, (x, 2.0)), 1.0)),))
+    region = fx.GraphModule(torch.nn.Module(), graph)
+    for rows in (3, 5, 0):
+        value = torch.randn(rows, 4)
+        entry = compile_region(region, (value,), "aot_eager")
+        torch.testing.assert_close(entry.compiled(value)[0], value * 2 + 1)
+    assert REGION_CACHE.compiles <= 2, REGION_CACHE  # one symbolic compile (0 may take one of its own)
+
+
 def test_the_html_report_names_the_regions(fake_world):
     from dcp_compile.report.html_report import model_report_html
 

@@ -42,11 +42,13 @@ def fresh_inputs(traced: list[Any], args: tuple) -> FreshInputs:
         return symbols[expression]
 
     def expression_of(size: Any) -> sympy.Expr | None:
-        if isinstance(size, torch.SymInt):
-            if size.node.hint is None:
-                raise UnsupportedRegion("an input size only the data decides (an unbacked symbol)")
-            return size.node.expr
-        return None
+        return size.node.expr if isinstance(size, torch.SymInt) else None
+
+    def data_dependent(size: Any) -> bool:
+        """A size only the data decides (an unbacked symbol in the trace): here it is a size like any
+        other, hinted by the call (the region's guards hold it to what the compile assumed), but it
+        may be 0 or 1, which a trace's backed sizes are not."""
+        return isinstance(size, torch.SymInt) and size.node.hint is None
 
     # Sizes first, everywhere, so that a stride can be written in the symbols of any input's sizes.
     for index, (value, arg) in enumerate(zip(traced, args)):
@@ -55,7 +57,8 @@ def fresh_inputs(traced: list[Any], args: tuple) -> FreshInputs:
             for dim, size in enumerate(value.shape):
                 expression = expression_of(size)
                 if expression is not None:
-                    symbol_for(expression, int(arg.shape[dim]), _size_source(source, dim))
+                    symbol_for(expression, int(arg.shape[dim]), _size_source(source, dim),
+                               positive=None if data_dependent(size) else True)
         elif isinstance(arg, int) and isinstance(value, torch.SymInt):
             symbol_for(expression_of(value), arg, source, positive=None)  # an int may be negative (a slice end)
     fresh: list[Any] = []
