@@ -149,7 +149,10 @@ def report(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['model']} | {r['world']} x {r['hardware']} | {r['state']} | {r['round_seconds']:.3f} s | "
                          f"{r['optimizer_step_seconds']:.3f} s | {r['host_state_bytes'] / 1e9:.1f} GB |")
     lines += ["", "What fills the cap: bytes a rank holds per token of its own share of the micro-batch (the micro-batch's "
-              "tokens / SP size), at the best SP size under ZeRO-3, per policy:", "",
+              "tokens / SP size), at the best SP size under ZeRO-3, per policy. Variants compile in regions (the "
+              "default): `attention` and `full` checkpoint each region and keep its inputs (more than whole-graph "
+              "`full`'s block inputs at SP 1; a ring layout, Wan at SP 8 and 32, keeps what `none` keeps), so the "
+              "longest sequences run under `block`, `offload` or `lean`, which compile whole:", "",
               "| model | GPUs | " + " | ".join(p.value for p in RECOMPUTE_POLICIES) + " |",
               "|---|---|" + "---:|" * len(RECOMPUTE_POLICIES)]
     for r in rows:
