@@ -240,6 +240,47 @@ def test_a_region_whose_input_size_only_the_data_decides_is_compiled():
     assert REGION_CACHE.compiles <= 2, REGION_CACHE  # one symbolic compile (0 may take one of its own)
 
 
+def test_an_empty_share_runs_the_region_uncompiled_and_compiles_nothing():
+    """A rank with no token of a short sequence (3 tokens at SP 4) calls each region with empty
+    inputs; compiling at size 0 failed with an integer modulo by zero on that rank only, which left
+    the other three waiting in a collective (tests/test_tiled_loss_parity.py, four ranks)."""
+    from dcp_compile.compiler.regions import Region, RegionKind
+
+    REGION_CACHE.clear()
+    weight = torch.randn(4, 8)
+    region = Region(_traced(lambda x, w: (torch.nn.functional.linear(x.reshape(-1, 8), w),), torch.randn(2, 3, 8),
+                            weight), RegionKind.COMPILED, "aot_eager", recomputed=False)
+    empty = torch.randn(2, 0, 8)
+    assert region.run(empty, weight)[0].shape == (0, 4)
+    assert REGION_CACHE.compiles == 0 and region.uncompiled == []
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(region.run(x, weight)[0], x.reshape(-1, 8) @ weight.T)
+    assert REGION_CACHE.compiles == 1
+
+
+def test_a_failed_region_compile_runs_the_region_uncompiled_with_a_reason(monkeypatch):
+    """Never raise where running uncompiled would do: a compile that fails (a bug in it, on one
+    rank's shapes) runs that call's region as its ATen graph, says why, and is not tried again for
+    calls of the same shapes."""
+    import dcp_compile.compiler.regions as regions
+    from dcp_compile.compiler.regions import Region, RegionKind
+
+    attempts = []
+
+    def failing(*args, **kwargs):
+        attempts.append(1)
+        raise ZeroDivisionError("integer modulo by zero")
+
+    monkeypatch.setattr(regions, "compile_region", failing)
+    region = Region(_traced(lambda x: (x * 2 + 1,), torch.randn(3, 4)), RegionKind.COMPILED, "aot_eager",
+                    recomputed=False)
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        torch.testing.assert_close(region.run(x)[0], x * 2 + 1)
+    assert len(attempts) == 1
+    assert region.uncompiled == ["its compile failed on this call's shapes (ZeroDivisionError: integer modulo by zero)"]
+
+
 def test_the_html_report_names_the_regions(fake_world):
     from dcp_compile.report.html_report import model_report_html
 

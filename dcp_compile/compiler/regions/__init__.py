@@ -84,6 +84,7 @@ class Region(torch.nn.Module):
         self.uncompiled = uncompiled if uncompiled is not None else []  # the variant record's list
         self.counts = counts if counts is not None else RegionCompiles()  # the variant record's counts
         self.label = label  # "region 3 of 12", for the heartbeat of a long compile
+        self.failed: set[tuple] = set()  # layouts of the calls whose compile failed: they run uncompiled
 
     def run(self, *args: Any) -> Any:
         if self.kind is not RegionKind.COMPILED:
@@ -91,6 +92,14 @@ class Region(torch.nn.Module):
         for entry in self.compiled:
             if entry.accepts(args):
                 return entry.compiled(*args)
+        if any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args):
+            # An empty share (a rank holding no token of a short sequence): nothing to compile for,
+            # and a compile at size 0 specialises on it or fails (an integer modulo by zero) where
+            # the other ranks' compiles succeed, which would leave them waiting in a collective.
+            return self.graph_module(*args)
+        layout = _layout(args)
+        if layout in self.failed:
+            return self.graph_module(*args)
         if len(self.compiled) >= MAX_COMPILES_PER_REGION:
             reason = (f"its guards failed on {MAX_COMPILES_PER_REGION} compiles (a size or stride that changes "
                       "from call to call in a way the compiles could not make symbolic)")
@@ -104,6 +113,12 @@ class Region(torch.nn.Module):
             log.warning("dcp: a region runs uncompiled (%s); the rest of the variant is compiled", reason)
             self.uncompiled.append(str(reason))
             entry = GuardedCompile(None, self.graph_module)
+        except Exception as error:  # noqa: BLE001  a compile bug must not stop one rank of a group
+            reason = f"its compile failed on this call's shapes ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+            log.warning("dcp: %s runs uncompiled at calls of these shapes: %s", self.label, reason)
+            self.uncompiled.append(reason)
+            self.failed.add(layout)
+            return self.graph_module(*args)
         self.compiled.append(entry)
         return entry.compiled(*args)
 
@@ -125,6 +140,11 @@ class Region(torch.nn.Module):
             note_checkpoint_inputs(args)
             return checkpoint(self.run, *args, use_reentrant=False)
         return self.run(*args)
+
+
+def _layout(args: tuple) -> tuple:
+    """What a compile depends on of a call: each tensor's sizes, strides and dtype, each other value."""
+    return tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else repr(a) for a in args)
 
 
 def regional_module(gm: fx.GraphModule, inner: str, recompute: RecomputePolicy,
