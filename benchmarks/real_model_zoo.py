@@ -73,7 +73,8 @@ def _eager_sdpa(row: dict[str, Any]) -> str:
     return f" +{eager - graphs} eager" if eager is not None and graphs is not None and eager > graphs else ""
 
 
-def case_line(rows: list[dict[str, Any]]) -> str:
+def case_line(rows: list[dict[str, Any]], regions: bool = False) -> str:
+    """One table row; ``regions``: with the count of regions that ran uncompiled (the goal is 0)."""
     first = rows[0]
     tokens = ", ".join(str(row["tokens"] or row["requested"]) for row in rows)
     parity = _join_lengths([_parity(row) for row in rows])
@@ -96,8 +97,12 @@ def case_line(rows: list[dict[str, Any]]) -> str:
     graphs = str(first["graphs"] or "-")
     if len(rows) > 1 and set(rows[1]["graph_ids"]) - set(first["graph_ids"]):
         graphs += " +retrace"
+    uncompiled = ""
+    if regions:
+        recorded = any("uncompiled_regions" in row for row in rows)
+        uncompiled = f" {len({r for row in rows for r in row.get('uncompiled_regions', [])}) if recorded else '-'} |"
     return (f"| {first['model']} | {first['family']} | {tokens} | {verdict} | {parity} | {sites} | {gathers} "
-            f"| {_cell(reasons)} | {graphs} | {_cell(error)} | {seconds:.0f} |")
+            f"| {_cell(reasons)} | {graphs} |{uncompiled} {_cell(error)} | {seconds:.0f} |")
 
 
 def _normalise(text: str) -> str:
@@ -201,12 +206,14 @@ def render(by_case: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> st
                   f"{sum(len(r) for r in uncompiled.values())} in {len(uncompiled)} case(s)"
                   + ("." if not uncompiled else ": " + "; ".join(f"{name}: {' / '.join(reasons)[:300]}"
                                                                for name, reasons in sorted(uncompiled.items()))), ""]
+    regions = bool(meta.get("regions"))
     lines += [
-        "| model | family | tokens | verdict | parity (max abs err) | sites | gathers | gather reasons / fallback | graphs | error | s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | family | tokens | verdict | parity (max abs err) | sites | gathers | gather reasons / fallback | graphs | "
+        + ("uncompiled regions | " if regions else "") + "error | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if regions else ""),
     ]
     for name in sorted(by_case, key=lambda n: (by_case[n][0]["library"], by_case[n][0]["family"], n)):
-        lines.append(case_line(by_case[name]))
+        lines.append(case_line(by_case[name], regions))
     groups = mechanisms(by_case)
     if groups:
         lines += ["", "## Failures by mechanism", "", "| kind | mechanism | cases |", "|---|---|---|"]
