@@ -72,6 +72,19 @@ def test_regions_keep_parity_on_two_ranks():
 
 
 @pytest.mark.slow
+def test_a_sequence_shorter_than_the_sp_size_runs_at_parity_on_every_rank():
+    """3 tokens at SP 4 leave the last rank no token: a region's views write the chunk's length as
+    -1, which a tensor of no elements cannot resolve (Llama's ``[0, -1, 128]``), so the empty rank
+    raised while the other three waited in a collective (1 token at SP 2 does not show it: dynamo
+    specialises a length of 1). Such a call runs the variant's graph as ATen ops on every rank of
+    the group; the regions serve the longer calls. Fails (a hang, then the timeout) without it."""
+    from parity import parity_worker
+
+    results = run_in_process_world(parity_worker, 4, ["hf_llama"], [7, 3], "aot_eager", timeout=900)
+    assert all(result["checked"] == 2 and result["sharded_variants"] > 0 for result in results), results
+
+
+@pytest.mark.slow
 def test_regions_keep_parity_on_two_ranks_with_inductor():
     _check(run_in_process_world(_parity_worker, 2, "inductor", 1e-4, 1e-5, timeout=1800))
 

@@ -159,6 +159,13 @@ class Dispatcher:
         if records is not None and self.record not in records:
             records.append(self.record)
         added = self.added_inputs[variant]
+        if variant_record.compiled_in_regions and self.leaves_a_rank_empty(args, variant):
+            # A sequence shorter than the SP size leaves the last ranks no token. A region's views
+            # write the chunk's length as -1, which a tensor of no elements cannot resolve, and a
+            # compile at length 0 specialises on it: every rank of the group (all read the same
+            # length) runs the variant's graph as the ATen ops it is, the same collectives in the
+            # same order as its regions.
+            compiled = variant_record.graph
 
         def run() -> Any:
             return compiled(*args, *(graph_input.provide() for graph_input in added)) if added else compiled(*args)
@@ -177,6 +184,13 @@ class Dispatcher:
                 group = sp_group(variant.sp_size).process_group if variant.sp_size > 1 else None
                 check_first_call(self.analysed, variant, args, run, self.analysis.parameter_indices, group)
             return note_graph_outputs(run(), variant.sp_size)  # which backward runs it (eager parameters)
+
+    def leaves_a_rank_empty(self, args: tuple, variant: Variant) -> bool:
+        """The call's sequence is shorter than the SP size: the last rank's chunk, ``length // P``, is 0."""
+        if variant.sp_size == 1 or variant.packed or self.read_length is None:
+            return False
+        length = self.read_length(args)
+        return isinstance(length, int) and length < variant.sp_size
 
     def check_ranks(self, variant: Variant, args: tuple) -> PendingCheck | None:
         """The SP group agrees on the variant and the inputs (raises on all); the check is issued
