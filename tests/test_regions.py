@@ -346,3 +346,36 @@ def test_a_view_into_a_wider_tensor_keeps_its_traced_strides_at_another_length()
     stride = fresh.values[0].stride(0)
     assert isinstance(stride, torch.SymInt) and stride.node.hint == 192 * 7
     assert fresh.values[0].shape[1].node.expr in stride.node.expr.free_symbols  # written in the tokens' symbol
+
+
+def test_a_size_symbol_the_backward_meets_only_in_a_product_is_bound_with_inductor():
+    """A q/k/v projection ``linear(x).reshape(batch, -1, 3, 4, 4)`` whose batch arrives as an int and
+    whose input needs no gradient: its backward is handed the matmul's ``[s0*s1, 16]`` input, and
+    the int binds ``s0``, but nothing says ``s1`` alone; Inductor's backward raised ``expected [s1]
+    to have been codegen-ed`` (HunyuanDiT, QwenImage, HiDream; attention then a convolution at SP 1).
+    Dynamo gives a backend every symbol as an input; a region's sizes are lifted the same way, so one
+    compile serves both lengths."""
+    from torch._inductor.utils import fresh_cache
+
+    from dcp_compile.compiler.regions.cache import lifted_sizes
+
+    REGION_CACHE.clear()
+
+    def project(x, weight, bias, batch):
+        qkv = torch.nn.functional.linear(x, weight, bias).reshape(batch, -1, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        return qkv[0], qkv[1], qkv[2]
+
+    weight, bias = torch.randn(48, 16, requires_grad=True), torch.randn(48, requires_grad=True)
+    region = _traced(project, torch.randn(2, 5, 16), weight, bias, 2)
+    with fresh_cache():  # a cached backward would skip the codegen that raised
+        for tokens in (5, 7):
+            x = torch.randn(2, tokens, 16)  # the model's input: no gradient, so the matmul's input is saved
+            entry = compile_region(region, (x, weight, bias, 2), "inductor")
+            out = torch.stack(entry.compiled(x, weight, bias, 2))
+            grads = torch.autograd.grad(out.square().sum(), (weight, bias))
+            expected = torch.stack(project(x, weight, bias, 2))
+            torch.testing.assert_close(out, expected)
+            for got, want in zip(grads, torch.autograd.grad(expected.square().sum(), (weight, bias))):
+                torch.testing.assert_close(got, want)
+    assert REGION_CACHE.compiles == 1 and REGION_CACHE.reuses == 1
+    assert lifted_sizes([torch.empty(2, 3)]) == ()  # static sizes: nothing to lift

@@ -92,13 +92,57 @@ def compile_region(region: fx.GraphModule, args: tuple, inner: str) -> GuardedCo
             REGION_CACHE.reuses += 1
             return candidate
     fresh = fresh_inputs(traced, args)
-    compiled = INNER_REGION_COMPILERS[inner](copy_module(region), fresh.values)
+    lifted = lifted_sizes(fresh.values)
+    module = with_size_inputs(copy_module(region), [fresh.values[index].shape[dim] for index, dim in lifted])
+    compiled = INNER_REGION_COMPILERS[inner](module, [*fresh.values, *(fresh.values[i].shape[d] for i, d in lifted)])
+    if lifted:
+        compiled = _passing_sizes(compiled, lifted)
     guard_code = fresh.fake_mode.shape_env.produce_guards_expression(fresh.values, ignore_static=False)
     guards = compile(guard_code, "<dcp region guards>", "eval") if guard_code else None
     entry = GuardedCompile(guards, compiled, guard_code or "")
     candidates.append(entry)
     REGION_CACHE.compiles += 1
     return entry
+
+
+def lifted_sizes(values: list[Any]) -> tuple[tuple[int, int], ...]:
+    """``(input, dim)`` of each size symbol that no integer input carries, first place it appears.
+
+    Dynamo hands a backend every symbol as an input of its own; a region's inputs are only its
+    tensors and ints, so a symbol that its backward meets only inside a product (a saved
+    ``[s0*s1, 16]``: Inductor cannot solve ``s1`` from it) had no input to bind it, and Inductor's
+    backward raised ``expected [s1] to have been codegen-ed``. Lifting them as inputs, as dynamo does,
+    lets the partitioner hand them to the backward."""
+    bound = {value.node.expr for value in values if isinstance(value, torch.SymInt)}
+    lifted = []
+    for index, value in enumerate(values):
+        if not isinstance(value, torch.Tensor):
+            continue
+        for dim, size in enumerate(value.shape):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol and size.node.expr not in bound:
+                bound.add(size.node.expr)
+                lifted.append((index, dim))
+    return tuple(lifted)
+
+
+def with_size_inputs(module: fx.GraphModule, sizes: list[Any]) -> fx.GraphModule:
+    """``module`` with an integer placeholder per lifted size after its own (unused by its nodes)."""
+    if not sizes:
+        return module
+    graph = module.graph
+    last = list(graph.find_nodes(op="placeholder"))[-1]
+    for position, size in enumerate(sizes):
+        with graph.inserting_after(last):
+            last = graph.placeholder(f"dcp_lifted_size_{position}")
+            last.meta["val"] = size
+    module.recompile()
+    return module
+
+
+def _passing_sizes(compiled: Callable, lifted: tuple[tuple[int, int], ...]) -> Callable:
+    def call(*args: Any) -> Any:
+        return compiled(*args, *(args[index].shape[dim] for index, dim in lifted))
+    return call
 
 
 def copy_module(region: fx.GraphModule) -> fx.GraphModule:
@@ -114,14 +158,22 @@ def copy_module(region: fx.GraphModule) -> fx.GraphModule:
 
 
 def _compile_inductor(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    from dcp_compile.compiler.workarounds.inductor_patches import caches_keyed_by_the_fix, stride_sort_with_shape_env
+    from dcp_compile.compiler.workarounds.inductor_patches import (
+        caches_keyed_by_the_fix, stride_sort_with_shape_env, symbolic_forward_output_strides,
+    )
     from dcp_compile.compiler.inner_compilers import INDUCTOR_STRIDE_SORT_BUG, is_inductor_stride_sort_bug
+
+    def inner_compile(graph: fx.GraphModule, graph_inputs: list[Any], **kwargs: Any) -> Callable:
+        compiled = compile_fx_inner(graph, graph_inputs, **kwargs)
+        if not kwargs.get("is_backward"):  # the region's backward serves every length its guards admit
+            symbolic_forward_output_strides(compiled, graph_inputs)
+        return compiled
 
     try:
         with stride_sort_with_shape_env(), caches_keyed_by_the_fix():
-            return compile_fx(copy_module(gm), inputs)
+            return compile_fx(copy_module(gm), inputs, inner_compile=inner_compile)
     except Exception as error:
         if not is_inductor_stride_sort_bug(error):
             raise

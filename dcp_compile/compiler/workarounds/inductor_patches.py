@@ -282,7 +282,7 @@ def symbolic_forward_output_strides(compiled: Any, example_inputs: Sequence[Any]
     return made
 
 
-CACHE_TAG = "dcp-symbolic-saved-strides"
+CACHE_TAG = "dcp-symbolic-saved-strides-2"  # 2: regions apply the fix too
 
 
 @contextlib.contextmanager
