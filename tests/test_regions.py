@@ -379,3 +379,62 @@ def test_a_size_symbol_the_backward_meets_only_in_a_product_is_bound_with_induct
                 torch.testing.assert_close(got, want)
     assert REGION_CACHE.compiles == 1 and REGION_CACHE.reuses == 1
     assert lifted_sizes([torch.empty(2, 3)]) == ()  # static sizes: nothing to lift
+
+
+def test_a_region_with_a_data_dependent_size_compiles_its_backward_with_inductor():
+    """Mochi's joint attention region: ``cat`` of the tokens and the ``nonzero``-selected text.
+    AOTAutograd traces a region twice, each trace making its own symbol for the selection's size,
+    and renames one to the other by the graph's ``unbacked_bindings``; a region had none (they named
+    the variant's symbols, and were dropped), so the backward's tangent was ``[s0 + u0, ...]`` beside
+    saved ``[s0 + u1, ...]`` and Inductor raised ``expected [u0] to have been codegen-ed``."""
+    from torch._inductor.utils import fresh_cache
+
+    REGION_CACHE.clear()
+
+    def joint(x, text, mask, weight):
+        selected = text[torch.nonzero(mask[0]).flatten()]
+        both = torch.cat([x, selected.unsqueeze(0).expand(x.shape[0], -1, -1)], dim=1)
+        return (torch.tanh(both @ weight),)
+
+    x, text, mask = torch.randn(2, 6, 8), torch.randn(5, 8), torch.tensor([[True, False, True, True, False]])
+    weight = torch.randn(8, 8, requires_grad=True)
+    region = _traced(joint, x, text, mask, weight)
+    with fresh_cache():
+        entry = compile_region(region, (x, text, mask, weight), "inductor")
+        (out,) = entry.compiled(x, text, mask, weight)
+        (grad,) = torch.autograd.grad(out.square().sum(), (weight,))
+    (expected,) = joint(x, text, mask, weight)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grad, torch.autograd.grad(expected.square().sum(), (weight,))[0])
+
+
+def test_a_region_backward_whose_inductor_compile_fails_runs_uncompiled_with_a_reason(monkeypatch):
+    """A region's backward is compiled at the first backward, long after its forward: a failure
+    there (an Inductor limit on one model's sizes) runs that backward as its ATen graph, equal to
+    eager, and the variant's record says why, instead of raising out of ``loss.backward()``."""
+    import torch._inductor.compile_fx as compile_fx
+    from torch._inductor.utils import fresh_cache
+
+    from dcp_compile.compiler.regions import Region, RegionKind
+
+    REGION_CACHE.clear()
+    original = compile_fx.compile_fx_inner
+
+    def failing_backward(graph, inputs, **kwargs):
+        if kwargs.get("is_backward"):
+            raise AssertionError("For s0 + u0, expected [u0] to have been codegen-ed.")
+        return original(graph, inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", failing_backward)
+    weight = torch.randn(4, 4, requires_grad=True)
+    region = Region(_traced(lambda x, w: (torch.tanh(x @ w),), torch.randn(3, 4), weight), RegionKind.COMPILED,
+                    "inductor", recomputed=False)
+    x = torch.randn(3, 4)
+    with fresh_cache():
+        (out,) = region.run(x, weight)
+        (grad,) = torch.autograd.grad(out.square().sum(), (weight,))
+    expected = torch.tanh(x @ weight)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grad, torch.autograd.grad(expected.square().sum(), (weight,))[0])
+    assert region.uncompiled == ["a region's backward runs uncompiled: its Inductor compile failed "
+                                 "(AssertionError: For s0 + u0, expected [u0] to have been codegen-ed.)"]

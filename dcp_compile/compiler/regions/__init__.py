@@ -126,7 +126,7 @@ class Region(torch.nn.Module):
         """``compile_region``, counted on the variant's record: a compile (and its time) or a reuse."""
         compiles_before, started = REGION_CACHE.compiles, time.perf_counter()
         with compile_stage(f"{self.inner}: {self.label}"):
-            entry = compile_region(self.graph_module, args, self.inner)
+            entry = compile_region(self.graph_module, args, self.inner, self.uncompiled)
         if REGION_CACHE.compiles > compiles_before:
             self.counts.compiled += 1
             self.counts.seconds += time.perf_counter() - started

@@ -81,9 +81,10 @@ def traced_inputs(region: fx.GraphModule) -> list[Any]:
     return [node.meta.get("val") for node in region.graph.find_nodes(op="placeholder")]
 
 
-def compile_region(region: fx.GraphModule, args: tuple, inner: str) -> GuardedCompile:
+def compile_region(region: fx.GraphModule, args: tuple, inner: str, uncompiled: list[str] | None = None) -> GuardedCompile:
     """``region`` compiled by ``inner`` for shapes like ``args`` (real values), from the cache if its
-    code was compiled before and its guards hold for ``args``."""
+    code was compiled before and its guards hold for ``args``. A backward whose compile fails later
+    runs as ATen ops, its reason appended to ``uncompiled`` (the record of the variant that compiled)."""
     traced = traced_inputs(region)
     key = (inner, canonical_code(region), input_signature(traced, args), constants_signature(region))
     candidates = REGION_CACHE.entries.setdefault(key, [])
@@ -94,7 +95,10 @@ def compile_region(region: fx.GraphModule, args: tuple, inner: str) -> GuardedCo
     fresh = fresh_inputs(traced, args)
     lifted = lifted_sizes(fresh.values)
     module = with_size_inputs(copy_module(region), [fresh.values[index].shape[dim] for index, dim in lifted])
-    compiled = INNER_REGION_COMPILERS[inner](module, [*fresh.values, *(fresh.values[i].shape[d] for i, d in lifted)])
+    values = [*fresh.values, *(fresh.values[index].shape[dim] for index, dim in lifted)]
+    if any("unbacked_bindings" in node.meta for node in region.graph.nodes):
+        module = traced_in(module, values, fresh.fake_mode)
+    compiled = INNER_REGION_COMPILERS[inner](module, values, uncompiled if uncompiled is not None else [])
     if lifted:
         compiled = _passing_sizes(compiled, lifted)
     guard_code = fresh.fake_mode.shape_env.produce_guards_expression(fresh.values, ignore_static=False)
@@ -139,6 +143,20 @@ def with_size_inputs(module: fx.GraphModule, sizes: list[Any]) -> fx.GraphModule
     return module
 
 
+def traced_in(module: fx.GraphModule, values: list[Any], fake_mode: Any) -> fx.GraphModule:
+    """``module`` traced again on the fresh inputs, so that each data-dependent op (``nonzero``)
+    says which of the fresh environment's symbols it binds (``unbacked_bindings``).
+
+    AOTAutograd runs a graph twice (metadata, then the joint trace), each run making its own
+    symbol for a ``nonzero``'s size, and renames the second to the first by those bindings. Without
+    them the backward's tangent was ``[s0 + u0, ...]`` beside saved tensors of ``s0 + u1``, and
+    Inductor raised ``expected [u0] to have been codegen-ed`` (Mochi's joint attention region)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with fake_mode:
+        return make_fx(module, pre_dispatch=True, record_module_stack=False)(*values)
+
+
 def _passing_sizes(compiled: Callable, lifted: tuple[tuple[int, int], ...]) -> Callable:
     def call(*args: Any) -> Any:
         return compiled(*args, *(args[index].shape[dim] for index, dim in lifted))
@@ -157,7 +175,8 @@ def copy_module(region: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(region, graph)
 
 
-def _compile_inductor(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
+def _compile_inductor(gm: fx.GraphModule, inputs: list[Any], uncompiled: list[str]) -> Callable:
+    from functorch.compile import make_boxed_func
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     from dcp_compile.compiler.workarounds.inductor_patches import (
@@ -166,6 +185,15 @@ def _compile_inductor(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
     from dcp_compile.compiler.inner_compilers import INDUCTOR_STRIDE_SORT_BUG, is_inductor_stride_sort_bug
 
     def inner_compile(graph: fx.GraphModule, graph_inputs: list[Any], **kwargs: Any) -> Callable:
+        if kwargs.get("is_backward"):
+            try:
+                return compile_fx_inner(graph, graph_inputs, **kwargs)
+            except Exception as error:  # noqa: BLE001  compiled at the first backward: never raise there
+                reason = (f"a region's backward runs uncompiled: its Inductor compile failed "
+                          f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''})")
+                log.warning("dcp: %s", reason)
+                uncompiled.append(reason)
+                return make_boxed_func(graph.forward)
         compiled = compile_fx_inner(graph, graph_inputs, **kwargs)
         if not kwargs.get("is_backward"):  # the region's backward serves every length its guards admit
             symbolic_forward_output_strides(compiled, graph_inputs)
@@ -173,17 +201,18 @@ def _compile_inductor(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
 
     try:
         with stride_sort_with_shape_env(), caches_keyed_by_the_fix():
-            return compile_fx(copy_module(gm), inputs, inner_compile=inner_compile)
+            # A copy (Inductor's passes edit the graph) that keeps traced_in's unbacked bindings.
+            return compile_fx(fx.GraphModule(gm, copy_graph(gm)), inputs, inner_compile=inner_compile)
     except Exception as error:
         if not is_inductor_stride_sort_bug(error):
             raise
     # As for a whole variant (inner_compilers.compile_inductor): the same region on every rank.
     log.warning("dcp: a region runs under aot_eager: Inductor failed on symbolic strides it cannot order "
                 "(%s, pytorch/pytorch#172204)", INDUCTOR_STRIDE_SORT_BUG)
-    return _compile_aot_eager(gm, inputs)
+    return _compile_aot_eager(gm, inputs, uncompiled)
 
 
-def _compile_aot_eager(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
+def _compile_aot_eager(gm: fx.GraphModule, inputs: list[Any], uncompiled: list[str]) -> Callable:
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -196,7 +225,8 @@ def _compile_aot_eager(gm: fx.GraphModule, inputs: list[Any]) -> Callable:
                                  keep_inference_input_mutations=True)
 
 
-INNER_REGION_COMPILERS: dict[str, Callable[[fx.GraphModule, list[Any]], Callable]] = {
+# (region, fake inputs, the compiling variant's list of uncompiled parts) -> compiled callable
+INNER_REGION_COMPILERS: dict[str, Callable[[fx.GraphModule, list[Any], list[str]], Callable]] = {
     "inductor": _compile_inductor,
     "aot_eager": _compile_aot_eager,
 }
