@@ -144,8 +144,8 @@ def render(rows: list[dict[str, Any]], patched: bool, regions: bool = False) -> 
            f"{sum(len(row.get('uncompiled_regions') or []) for row in rows)} in "
            f"{sum(1 for row in rows if row.get('uncompiled_regions'))} case(s) (goal 0).", ""] if regions else []),
         "| model | class | rank | tokens run | Inductor | patched sorts | unknown ranges | symbolic strides | seconds |"
-        + (" uncompiled regions |" if regions else ""),
-        "|---|---|---|---|---|---|---|---|---|" + ("---|" if regions else ""),
+        + (" uncompiled regions |" if regions else "") + " revision |",
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if regions else "") + "---|",
     ]
     for row in rows:
         if row["error"]:
@@ -159,8 +159,17 @@ def render(rows: list[dict[str, Any]], patched: bool, regions: bool = False) -> 
         lines.append(f"| {row['model']} | {row['class']} | {row.get('rank', 0)} | {run} | {status.replace('|', '/')} | "
                      f"{row.get('patched_sorts', '-')} | {row.get('unknown_ranges', '-')} | "
                      f"{row.get('symbolic_strides', '-')} | {row['seconds']} |"
-                     + (f" {len(row.get('uncompiled_regions') or [])} |" if regions else ""))
+                     + (f" {len(row.get('uncompiled_regions') or [])} |" if regions else "")
+                     + f" {row.get('revision', '-')} |")
     return "\n".join(lines) + "\n"
+
+
+def source_revision() -> str:
+    """The commit the survey runs, marked ``+changes`` where dcp_compile/ differs from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    changed = subprocess.run(["git", "status", "--porcelain", "--", "dcp_compile"], capture_output=True, text=True,
+                             cwd=ROOT).stdout.strip()
+    return (head or "unknown") + ("+changes" if changed else "")
 
 
 def main() -> None:
@@ -218,8 +227,10 @@ def main() -> None:
                     "error": f"timeout after {args.timeout:.0f} s", "where": None, "seconds": args.timeout}
 
     order = {name: index for index, name in enumerate(rm.CASES)}  # the zoo's order, whatever ran first
+    revision = source_revision()
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for row in pool.map(survey, [name for name in names if name not in done]):
+            row["revision"] = revision
             rows.append(row)
             rows.sort(key=lambda r: order.get(r["model"], len(order)))
             status = "ERROR " + row["error"] if row["error"] else ("FALLBACK" if row["fallbacks"] else "ok")
