@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from dcp_compile.compiler.progress import compile_stage
 from dcp_compile.compiler.record import RegionCompiles
 from dcp_compile.compiler.regions.cache import (
-    INNER_REGION_COMPILERS, REGION_CACHE, GuardedCompile, compile_region,
+    INNER_REGION_COMPILERS, REGION_CACHE, GuardedCompile, compile_region, first_line,
 )
 from dcp_compile.compiler.regions.canonical_form import canonical_code, canonical_views, drop_unused_inputs
 from dcp_compile.compiler.regions.fresh_symbols import UnsupportedRegion, fresh_inputs
@@ -114,7 +114,7 @@ class Region(torch.nn.Module):
             self.uncompiled.append(str(reason))
             entry = GuardedCompile(None, self.graph_module)
         except Exception as error:  # noqa: BLE001  a compile bug must not stop one rank of a group
-            reason = f"its compile failed on this call's shapes ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+            reason = f"its compile failed on this call's shapes ({first_line(error)})"
             log.warning("dcp: %s runs uncompiled at calls of these shapes: %s", self.label, reason)
             self.uncompiled.append(reason)
             self.failed.add(layout)

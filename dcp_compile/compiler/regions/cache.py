@@ -94,8 +94,9 @@ def compile_region(region: fx.GraphModule, args: tuple, inner: str, uncompiled: 
             return candidate
     fresh = fresh_inputs(traced, args)
     lifted = lifted_sizes(fresh.values)
-    module = with_size_inputs(copy_module(region), [fresh.values[index].shape[dim] for index, dim in lifted])
-    values = [*fresh.values, *(fresh.values[index].shape[dim] for index, dim in lifted)]
+    sizes = [fresh.values[index].shape[dim] for index, dim in lifted]
+    module = with_size_inputs(copy_module(region), sizes)
+    values = [*fresh.values, *sizes]
     if any("unbacked_bindings" in node.meta for node in region.graph.nodes):
         module = traced_in(module, values, fresh.fake_mode)
     compiled = INNER_REGION_COMPILERS[inner](module, values, uncompiled if uncompiled is not None else [])
@@ -107,6 +108,12 @@ def compile_region(region: fx.GraphModule, args: tuple, inner: str, uncompiled: 
     candidates.append(entry)
     REGION_CACHE.compiles += 1
     return entry
+
+
+def first_line(error: BaseException) -> str:
+    """``Type: first line of the message`` (200 characters at most), for a record's reason."""
+    message = str(error).strip()
+    return f"{type(error).__name__}: {message.splitlines()[0][:200] if message else ''}"
 
 
 def lifted_sizes(values: list[Any]) -> tuple[tuple[int, int], ...]:
@@ -190,14 +197,12 @@ def _compile_inductor(gm: fx.GraphModule, inputs: list[Any], uncompiled: list[st
             try:
                 return compile_fx_inner(graph, graph_inputs, **kwargs)
             except Exception as error:  # noqa: BLE001  compiled at the first backward: never raise there
-                reason = (f"a region's backward runs uncompiled: its Inductor compile failed "
-                          f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''})")
+                reason = f"a region's backward runs uncompiled: its Inductor compile failed ({first_line(error)})"
                 log.warning("dcp: %s", reason)
                 uncompiled.append(reason)
                 return make_boxed_func(graph.forward)
         compiled = compile_fx_inner(graph, graph_inputs, **kwargs)
-        if not kwargs.get("is_backward"):  # the region's backward serves every length its guards admit
-            symbolic_forward_output_strides(compiled, graph_inputs)
+        symbolic_forward_output_strides(compiled, graph_inputs)  # its backward serves every length the guards admit
         return compiled
 
     # Layout optimisation off: it computes a convolution channels-last, and a region returns views of
