@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import dcp_compile as dcp
-from dcp_compile.compiler.passes.use_varlen_attention import PackedSite, choose_packed_attention
+from dcp_compile.kernels.attention_choice import PackedSite, choose_packed_attention
 from dcp_compile.kernels import varlen_attention_reference as reference
 from dcp_compile.kernels.attention_choice import TABLE_ENV, VarlenKernel, VarlenShape, available_in_graph
 from dcp_compile.kernels.varlen_flex import (

@@ -39,9 +39,9 @@ from dcp_compile.compiler.regions import (
 )
 from dcp_compile.compiler.self_check import check_first_call
 from dcp_compile.compiler.variant_selection import BucketTable, active_sequence_boundaries, active_variant
-from dcp_compile.compiler.passes.use_varlen_attention import choose_packed_attention, packed_sites
+from dcp_compile.compiler.passes.use_varlen_attention import packed_sites
 from dcp_compile.compiler.workarounds.trace_hints import traced_with_room
-from dcp_compile.kernels.attention_choice import VarlenKernel
+from dcp_compile.kernels.attention_choice import VarlenKernel, choose_packed_attention
 from dcp_compile.variant import Variant
 
 log = logging.getLogger(__name__)

@@ -249,3 +249,39 @@ def equal_length_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
     out = torch.nn.functional.scaled_dot_product_attention(*layout, is_causal=causal, scale=scale,
                                                            enable_gqa=hq != k.shape[1])
     return out.transpose(1, 2).reshape(total, hq, dim)
+
+
+# --- compiled graphs: one choice per packed call, from the graph's attention sites ---------------
+
+@dataclass(frozen=True)
+class PackedSite:
+    """What the kernel choice reads from one attention site of the graph."""
+
+    causal: bool
+    head_dim: int
+    dtype: torch.dtype
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(sites: tuple[PackedSite, ...], lengths: tuple[int, int, int], device: torch.device, inner: str,
+            table: Any) -> VarlenChoice:
+    total, count, longest = lengths
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    choices = []
+    for site in dict.fromkeys(sites):  # each distinct (causality, head dim, dtype) once
+        shape = VarlenShape(total, count, longest, site.head_dim, site.dtype, site.causal, device.type, name)
+        choices.append(choose_varlen_kernel(shape, available=available_in_graph(shape, inner)))
+    if all(choice.kernel is VarlenKernel.FLEX for choice in choices):
+        return choices[0]
+    # one implementation per graph: FlexAttention only where the table prefers it at every site
+    return next(choice for choice in choices if choice.kernel is not VarlenKernel.FLEX)
+
+
+def choose_packed_attention(sites: tuple[PackedSite, ...], boundaries: torch.Tensor, device: torch.device,
+                            inner: str) -> VarlenChoice:
+    """The implementation a packed call runs, from its ``cu_seqlens`` (a CPU tensor: read without a
+    device sync) and the device of its tensors; cached per shape."""
+    cu = boundaries.tolist()
+    lengths = (cu[-1], len(cu) - 1, max(b - a for a, b in zip(cu[:-1], cu[1:])))
+    # the table and DCP_KERNELS are read per call (either may change between calls): part of the key
+    return _choose(sites, lengths, device, inner, (os.environ.get(TABLE_ENV, ""), requested_backend()))

@@ -14,7 +14,7 @@ attention) is an error naming the site, never a silent attention across sequence
 
 Which implementation runs is chosen per call, where the sequences are known: the dispatcher reads
 the call's ``sequence_lengths`` (on the host: no device sync) and asks
-:func:`choose_packed_attention` (the measured table of :mod:`dcp_compile.kernels.attention_choice`,
+:func:`dcp_compile.kernels.attention_choice.choose_packed_attention` (the measured table there,
 among what a graph can run under the inner compiler). The choice is part of the variant
 (``Variant.attention``): ``None`` lowers to the ``dcp::`` op (Triton, or the reference on CPU),
 ``"flex"`` to FlexAttention traced into the graph, so AOTAutograd derives its exact backward and the
@@ -25,18 +25,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dcp_compile.kernels import varlen_attention as _register_varlen_ops  # noqa: F401  (defines dcp::varlen_*)
-from dcp_compile.kernels.attention_choice import TABLE_ENV, VarlenChoice, VarlenKernel, VarlenShape, \
-    available_in_graph, choose_varlen_kernel
-from dcp_compile.kernels.dispatch import requested_backend
+from dcp_compile.kernels.attention_choice import PackedSite, VarlenKernel
 from dcp_compile.errors import DCPError
 from dcp_compile.kernels.varlen_flex import document_mask_inputs, flex_document_attention_of_mask
 from dcp_compile.compiler.graph_capture import insert_traced, splice_traced
@@ -98,15 +93,6 @@ def insert_document_mask(gm: fx.GraphModule, before: fx.Node, query: fx.Node, bo
                                prefix=f"_dcp_document_mask_{int(causal)}"))
 
 
-@dataclass(frozen=True)
-class PackedSite:
-    """What the kernel choice reads from one attention site of the graph."""
-
-    causal: bool
-    head_dim: int
-    dtype: torch.dtype
-
-
 def packed_sites(gm: fx.GraphModule) -> tuple[PackedSite, ...]:
     """The graph's distinct SDPA sites as the choice sees them (read once, from the analysed graph)."""
     sites = []
@@ -115,31 +101,6 @@ def packed_sites(gm: fx.GraphModule) -> tuple[PackedSite, ...]:
             query = node.args[0].meta["val"]
             sites.append(PackedSite(bool(sdpa_argument(node, "is_causal")), int(query.shape[-1]), query.dtype))
     return tuple(dict.fromkeys(sites))  # one per kind: the per-call cache key stays small
-
-
-@functools.lru_cache(maxsize=4096)
-def _choose(sites: tuple[PackedSite, ...], lengths: tuple[int, int, int], device: torch.device, inner: str,
-            table: Any) -> VarlenChoice:
-    total, count, longest = lengths
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    choices = []
-    for site in dict.fromkeys(sites):  # each distinct (causality, head dim, dtype) once
-        shape = VarlenShape(total, count, longest, site.head_dim, site.dtype, site.causal, device.type, name)
-        choices.append(choose_varlen_kernel(shape, available=available_in_graph(shape, inner)))
-    if all(choice.kernel is VarlenKernel.FLEX for choice in choices):
-        return choices[0]
-    # one implementation per graph: FlexAttention only where the table prefers it at every site
-    return next(choice for choice in choices if choice.kernel is not VarlenKernel.FLEX)
-
-
-def choose_packed_attention(sites: tuple[PackedSite, ...], boundaries: torch.Tensor, device: torch.device,
-                            inner: str) -> VarlenChoice:
-    """The implementation a packed call runs, from its ``cu_seqlens`` (a CPU tensor: read without a
-    device sync) and the device of its tensors; cached per shape."""
-    cu = boundaries.tolist()
-    lengths = (cu[-1], len(cu) - 1, max(b - a for a, b in zip(cu[:-1], cu[1:])))
-    # the table and DCP_KERNELS are read per call (either may change between calls): part of the key
-    return _choose(sites, lengths, device, inner, (os.environ.get(TABLE_ENV, ""), requested_backend()))
 
 
 def add_sequence_boundaries_input(gm: fx.GraphModule, ctx: PassContext) -> fx.Node:
