@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import dcp_compile as dcp
-from dcp_compile.testing.sharding_checks import sharding_problems
+from sharding_checks import sharding_problems
 
 from model_zoo import ZOO, eager_reference, output_tensors
 

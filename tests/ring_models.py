@@ -106,7 +106,7 @@ def ring_worker(rank: int, world_size: int, names: list[str], lengths: list[int]
     elements this rank computed per length (one forward, both blocks)."""
     import dcp_compile as dcp
     from dcp_compile.compiler import ring_attention
-    from dcp_compile.testing.sharding_checks import sharding_problems
+    from sharding_checks import sharding_problems
 
     results: dict[str, Any] = {}
     for name in names:

@@ -360,7 +360,7 @@ def check_model(name: str, factory: Callable[[], nn.Module], make_input: Callabl
         return torch.allclose(got, expected, rtol=rtol, atol=atol * scale)
 
     import dcp_compile as dcp
-    from dcp_compile.testing.sharding_checks import sharding_problems
+    from sharding_checks import sharding_problems
 
     problems: list[str] = []
     seen: dict[str, Any] = {"sharded_sites": 0, "unsharded": [], "gathers": [], "attention_sites": 0,

@@ -26,7 +26,7 @@ import dcp_compile as dcp
 from dcp_compile.demo.example_models import TinyGPT
 from dcp_compile.schedule.cost_model import CostModel, ModelProfile
 from dcp_compile.schedule.hardware import Hardware
-from dcp_compile.testing.padded_batches import pad_right
+from padded_batches import pad_right
 from dcp_compile.testing.process_world import ProcessWorldError, run_in_process_world
 
 WORLD_SIZE = 2

@@ -23,7 +23,7 @@ from dcp_compile.demo.training_demo import collate
 from dcp_compile.demo.example_models import TinyGPT
 from dcp_compile.schedule.plan import Schedule, ScheduledMicroBatch
 from dcp_compile.testing.process_world import run_in_process_world
-from dcp_compile.testing.sharding_checks import sharding_problems
+from sharding_checks import sharding_problems
 
 WORLD_SIZE = 4
 VOCAB, HIDDEN, LAYERS, HEADS = 64, 32, 2, 4

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dcp_compile.testing.process_world import free_port, run_in_process_world
-from dcp_compile.testing.tiny_models import tiny_llama as shared_tiny_llama
+from tiny_models import tiny_llama as shared_tiny_llama
 from doc_blocks import NOT_RUN, REPO, RUN_LANGUAGES, all_blocks, doc_block, run_python_block
 
 VOCAB = 64
@@ -155,7 +155,7 @@ def _packed(rank: int, world_size: int) -> dict:
 
 
 def test_the_packed_block_runs_as_written_with_the_mean_token_loss() -> None:
-    from dcp_compile.testing.padded_batches import pad_right
+    from padded_batches import pad_right
 
     result = run_in_process_world(_packed, 1, timeout=600)[0]
     data = token_dataset()
@@ -168,7 +168,7 @@ def test_the_packed_block_runs_as_written_with_the_mean_token_loss() -> None:
 
 
 def _trainer(rank: int, world_size: int, directory: str) -> dict:
-    from dcp_compile.testing.padded_batches import pad_right
+    from padded_batches import pad_right
 
     os.chdir(directory)  # the block writes to "out"
     model = tiny_llama()
@@ -206,7 +206,7 @@ def _accelerate(rank: int, world_size: int) -> dict:
 
     from accelerate import Accelerator
 
-    from dcp_compile.testing.padded_batches import pad_right
+    from padded_batches import pad_right
     from test_accelerate import EPS, LR, dataset, make_sampler
     from test_accelerate import tiny_llama as accelerate_llama
 
@@ -224,7 +224,7 @@ def _accelerate(rank: int, world_size: int) -> dict:
 @pytest.mark.slow  # 50 s on 2 cores; dcp.accelerate itself is tested by tests/test_accelerate.py (25 s)
 def test_the_accelerate_block_runs_as_written_and_equals_one_process() -> None:
     pytest.importorskip("accelerate")
-    from dcp_compile.testing.padded_batches import pad_right
+    from padded_batches import pad_right
     from test_accelerate import EPS, LR, dataset, make_sampler
     from test_accelerate import tiny_llama as accelerate_llama
 

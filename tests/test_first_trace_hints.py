@@ -19,7 +19,7 @@ from dcp_compile.compiler.variant_selection import use
 from dcp_compile.demo.example_models import TinyGPT
 from dcp_compile.device_profile.fake_world import fake_world
 from dcp_compile.testing.process_world import run_in_process_world
-from dcp_compile.testing.sharding_checks import sharding_problems
+from sharding_checks import sharding_problems
 
 
 def run_calls(*calls: list[int], sp_size: int = 8) -> None:

@@ -19,9 +19,9 @@ from dcp_compile.demo.example_models import TinyGPT
 from dcp_compile.demo.training_demo import collate
 from dcp_compile.schedule.cost_model import CostModel, ModelProfile
 from dcp_compile.schedule.hardware import Hardware
-from dcp_compile.testing.padded_batches import pad_right
+from padded_batches import pad_right
 from dcp_compile.testing.process_world import run_in_process_world
-from dcp_compile.testing.tiny_models import tiny_llama as shared_tiny_llama
+from tiny_models import tiny_llama as shared_tiny_llama
 from doc_blocks import doc_block, run_python_block
 
 WORLD_SIZE = 4

@@ -26,7 +26,7 @@ from dcp_compile.demo.training_demo import collate
 from dcp_compile.schedule.cost_model import CostModel, ModelProfile
 from dcp_compile.schedule.hardware import Hardware
 from dcp_compile.testing.process_world import run_in_process_world
-from dcp_compile.testing.sharding_checks import sharding_problems
+from sharding_checks import sharding_problems
 
 VOCAB, HIDDEN, HEADS = 64, 32, 4
 LEARNING_RATE = 1e-2
@@ -333,7 +333,7 @@ def _guide_loop(rank: int, world: int, block: str) -> dict:
 
 def test_the_guide_fully_sharded_loop_trains_the_global_batches() -> None:
     pytest.importorskip("transformers")
-    from dcp_compile.testing.padded_batches import pad_right
+    from padded_batches import pad_right
     from test_fsdp import GUIDE_TOKENS_PER_STEP, guide_dataset, guide_llama
 
     results = run_in_process_world(_guide_loop, 2, guide_block(), timeout=900)

@@ -13,7 +13,7 @@ import dcp_compile as dcp
 from dcp_compile.compiler.grid_windows import _exchange_plan, window_units
 from dcp_compile.compiler.sequence_chunks import chunk_length, chunk_start
 from dcp_compile.testing.process_world import run_in_process_world
-from dcp_compile.testing.sharding_checks import sharding_problems
+from sharding_checks import sharding_problems
 from test_parity import run_parity
 
 

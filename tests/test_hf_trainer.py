@@ -31,10 +31,10 @@ pytest.importorskip("transformers")
 import dcp_compile as dcp
 from dcp_compile.schedule.cost_model import CostModel, ModelProfile
 from dcp_compile.schedule.hardware import Hardware
-from dcp_compile.testing.padded_batches import pad_right
+from padded_batches import pad_right
 from dcp_compile.testing.process_world import run_in_process_world
-from dcp_compile.testing.sharding_checks import sharding_problems
-from dcp_compile.testing.tiny_models import tiny_llama as shared_tiny_llama
+from sharding_checks import sharding_problems
+from tiny_models import tiny_llama as shared_tiny_llama
 
 VOCAB = 64
 LENGTHS = (12, 40, 20, 48, 16, 36, 9, 27, 30, 14)

@@ -37,7 +37,7 @@ from dcp_compile.schedule.cost_model import CostModel, ModelProfile
 from dcp_compile.schedule.plan import Schedule, StepPlan
 from dcp_compile.schedule.planner import Planner, PlannerConfig, PlanningError
 from dcp_compile.testing.process_world import run_in_process_world
-from dcp_compile.testing.sharding_checks import sharding_problems
+from sharding_checks import sharding_problems
 from dcp_compile.variant import RECOMPUTE_POLICIES, RecomputePolicy
 
 VOCAB, HIDDEN, LAYERS, HEADS = 256, 64, 4, 4

@@ -65,11 +65,18 @@ def test_no_package_dir_renaming():
     assert "package-dir" not in pyproject
 
 
-def test_the_test_model_zoo_is_not_shipped():
-    """The real-model zoo (tiny random configs of transformers and diffusers models) is a test fixture:
-    tests/real_models.py, beside the tests and benchmarks that import it; no shipped module imports it."""
-    assert not (PACKAGE / "testing" / "real_models.py").exists()
-    assert (PACKAGE.parent / "tests" / "real_models.py").exists()
+TEST_FIXTURES = ("real_models", "tiny_models", "padded_batches", "sharding_checks")
+
+
+def test_test_models_and_fixtures_are_not_shipped():
+    """The real-model zoo (tiny random configs of transformers and diffusers models), the tiny Llama
+    the integration tests train, their collate and the sharding assertion are test fixtures: in
+    tests/, beside the tests and benchmarks that import them; no shipped module imports them.
+    ``dcp_compile.testing`` keeps the process world, which the shipped demo runs its ranks in."""
+    for fixture in TEST_FIXTURES:
+        assert not (PACKAGE / "testing" / f"{fixture}.py").exists(), fixture
+        assert (PACKAGE.parent / "tests" / f"{fixture}.py").exists(), fixture
     offenders = [str(path.relative_to(PACKAGE)) for path in sorted(PACKAGE.rglob("*.py"))
-                 if any(module.split(".")[-1] == "real_models" for module in _imported_modules(path))]
+                 if any(module.split(".")[-1] in TEST_FIXTURES for module in _imported_modules(path))]
     assert not offenders, offenders
+    assert sorted(path.name for path in (PACKAGE / "testing").glob("*.py")) == ["__init__.py", "process_world.py"]

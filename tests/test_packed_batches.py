@@ -17,7 +17,7 @@ import dcp_compile as dcp
 from dcp_compile.demo.example_models import TinyGPT
 from dcp_compile.compiler.passes.use_varlen_attention import CannotPack
 from dcp_compile.testing.process_world import run_in_process_world
-from dcp_compile.testing.sharding_checks import sharding_problems
+from sharding_checks import sharding_problems
 from model_zoo import ZOO
 
 PACKINGS = [(5, 9, 4), (7, 1, 6, 2, 3), (11,)]  # a length-1 sequence; a single sequence

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dcp_compile.testing.process_world import run_in_process_world
-from dcp_compile.testing.tiny_models import tiny_llama as shared_tiny_llama
+from tiny_models import tiny_llama as shared_tiny_llama
 from doc_blocks import doc_block, run_python_block
 
 VOCAB = 64

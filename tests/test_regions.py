@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import dcp_compile as dcp
 from dcp_compile.compiler.regions import REGION_CACHE, canonical_code, canonical_views, compile_region
 from dcp_compile.testing.process_world import run_in_process_world
-from dcp_compile.testing.sharding_checks import sharding_problems
+from sharding_checks import sharding_problems
 from model_zoo import ZOO
 from parity import compare, compiled_run, eager_reference
 

@@ -20,7 +20,7 @@ import torch
 import dcp_compile as dcp
 from dcp_compile.demo.example_models import TinyGPT
 from dcp_compile.testing.process_world import run_in_process_world
-from dcp_compile.testing.sharding_checks import sharding_problems
+from sharding_checks import sharding_problems
 from model_zoo import ZOO, ZooCase, _ids_len
 from parity import compare, compiled_run, eager_reference
 

@@ -9,7 +9,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dcp_compile as dcp
 from dcp_compile.testing.process_world import run_in_process_world
-from dcp_compile.testing.sharding_checks import sharding_problems
+from sharding_checks import sharding_problems
 from model_zoo import ZOO
 from parity import compare, compiled_run, eager_reference
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import dcp_compile as dcp
 from dcp_compile.demo.example_models import VideoDiT, video_dit_inputs
 from dcp_compile.testing.process_world import run_in_process_world
-from dcp_compile.testing.sharding_checks import sharding_problems
+from sharding_checks import sharding_problems
 
 SHAPES = (((2, 4, 4), 2), ((1, 8, 8), 3), ((3, 2, 2), 1))  # (frames, rows, columns) of patches, batch
 

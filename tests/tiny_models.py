@@ -1,4 +1,4 @@
-"""The tiny random Hugging Face model the integration tests train (nothing downloaded)."""
+"""The tiny random Hugging Face model the integration tests train (nothing downloaded; a test fixture, not shipped)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Right-padded language-model batches for tests (a collate_fn for token-id samples).
 
-Why here: the FSDP2, checkpoint and data-loader tests each need the same collate as the guide's data-centric
+Why one module: the FSDP2, checkpoint and data-loader tests each need the same collate as the guide's data-centric
 loop (pad ids with 0 on the right, labels -100 there); one copy keeps them collating alike.
 """
 
