@@ -99,8 +99,25 @@ def _child(name: str, path: str) -> None:
     Path(path).write_text(text)
 
 
+def _revision() -> str:
+    """The commit of the ``dcp_compile`` this run imports (the checkout it lives in), and torch's version."""
+    import subprocess
+
+    import torch
+
+    import dcp_compile
+
+    checkout = Path(dcp_compile.__file__).resolve().parent.parent
+    commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "-C", str(checkout), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return f"dcp_compile at {commit}{' (uncommitted changes)' if dirty else ''}, torch {torch.__version__}"
+
+
 def run(names: list[str], out: Path, resume: bool, timeout: float) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    (out / "RUN").write_text(f"{_revision()}; run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
     context = multiprocessing.get_context("spawn")
     for index, name in enumerate(names, 1):
         path = out / f"{name}.txt"
@@ -135,7 +152,16 @@ def compare(base: Path, head: Path, write: Path | None) -> int:
         rows.append((name, f"differs ({changed} lines)"))
         diffs.append("\n".join(diff[:80]))
     identical = sum(1 for _, verdict in rows if verdict == "identical")
-    report = [f"{identical}/{len(rows)} cases identical", "", "| case | explain |", "|---|---|"]
+
+    def described(run_dir: Path) -> str:
+        return (run_dir / "RUN").read_text().strip() if (run_dir / "RUN").exists() else str(run_dir)
+
+    report = ["# dcp.explain on the real-model zoo: base against head", "",
+              f"Base: {described(base)}. Head: {described(head)}. Options {OPTIONS}, one-process fake world of 2 "
+              "ranks, each case at its two token counts; compared: `str(record)`, every node's classification "
+              "row and each variant's graph after every pass, with times and dynamo's graph counters taken out "
+              "(`benchmarks/explain_zoo.py`).", "",
+              f"**{identical}/{len(rows)} cases identical**", "", "| case | explain |", "|---|---|"]
     report += [f"| {name} | {verdict} |" for name, verdict in rows]
     text = "\n".join(report)
     print(text)
