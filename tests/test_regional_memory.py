@@ -163,6 +163,14 @@ def test_a_fused_projection_behind_rotated_q_and_k_is_priced_at_sp1() -> None:
     assert (fused.saved_activation_bytes_per_token("full", 1, regions=True)
             - separate.saved_activation_bytes_per_token("full", 1, regions=True)) == 2 * 2 * 4 * hidden
     assert fused.saved_activation_bytes_per_token("full", 1) == separate.saved_activation_bytes_per_token("full", 1)
+    # `none` keeps q, k, v themselves: at SP 1 the storages behind them (h + kv more per layer than
+    # a standard block's separate q, k, v, whole graph or regions); at SP 2 the all-to-alls' outputs,
+    # and nothing reads the local projection again.
+    for regions in (False, True):
+        assert (fused.saved_activation_bytes_per_token("none", 1, regions=regions)
+                - separate.saved_activation_bytes_per_token("none", 1, regions=regions)) == 2 * 2 * 4 * hidden
+        assert (fused.saved_activation_bytes_per_token("none", 2, regions=regions)
+                == separate.saved_activation_bytes_per_token("none", 2, regions=regions))
 
 
 @pytest.mark.slow

@@ -313,8 +313,10 @@ class ModelProfile:
         layout = self.attention_layout(sp_size)
         if layout.ring == 1:
             delivered = dtype * (h + 2 * self.head_dim * max(self.num_kv_heads, sp_size))
+            # ``none`` drops the local q, k, v as SP 1 keeps them: with the storages behind them
+            # (a fused projection kept alive by v's view), which nothing at SP > 1 reads again.
             return float({
-                RecomputePolicy.NONE: delivered - local,
+                RecomputePolicy.NONE: delivered - max(local, self.attention_input_storage_bytes_per_token),
                 RecomputePolicy.ATTENTION: delivered,
                 RecomputePolicy.SELECTIVE: delivered + output,
                 RecomputePolicy.FULL: delivered + output,

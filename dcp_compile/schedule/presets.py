@@ -110,6 +110,11 @@ def transformer_fields(
     shape = dict(hidden_size=h, num_heads=num_heads, kv_width=kv_width, ffn_hidden_size=ffn, gated_mlp=gated_mlp,
                  cross_attention=bool(cross_attention_tokens), dtype_bytes=dtype_bytes, adaptive_norm=adaptive_norm)
     activation = layer_activation_bytes(**shape)
+    # A fused projection with rotated q and k: v is a view that keeps the whole projection alive
+    # beside the rotated copies (``attention_input_storage_bytes_per_token``), so ``none`` keeps
+    # ``h + kv`` more per token than the standard block's separate q, k, v.
+    storage = float(dtype_bytes * (2 * h + 3 * kv_width)) if fused_qkv and rotary else 0.0
+    activation["none"] += max(0.0, storage - dtype_bytes * (h + 2 * kv_width))
     recomputed = layer_recomputed_bytes(**shape)
     if loss_chunk_tokens is None:  # the backend's default chunk for this vocabulary
         loss_chunk_tokens = default_chunk_tokens(vocab_size, dtype_bytes) if vocab_size else 0
@@ -168,8 +173,7 @@ def transformer_fields(
         vocab_size=int(vocab_size),
         loss_chunk_tokens=int(loss_chunk_tokens) if tiled else 0,
         # A fused projection (h + 2 kv wide) alive behind v's view, beside the rotated q and k copies.
-        attention_input_storage_bytes_per_token=float(dtype_bytes * (2 * h + 3 * kv_width))
-        if fused_qkv and rotary else 0.0,
+        attention_input_storage_bytes_per_token=storage,
     )
 
 
