@@ -113,7 +113,8 @@ class RingModel(nn.Module):
         return ((self.out(self.norm(h)) - target) ** 2).mean()
 
 
-def ring_saved_bytes(heads: int, kv_heads: int, sp_size: int, length: int) -> dict[RecomputePolicy, tuple[int, str]]:
+def ring_saved_bytes(heads: int, kv_heads: int, sp_size: int, length: int,
+                     regions: bool = False) -> dict[RecomputePolicy, tuple[int, str]]:
     from dcp_compile.device_profile.fake_world import fake_world
 
     torch._dynamo.reset()
@@ -122,7 +123,8 @@ def ring_saved_bytes(heads: int, kv_heads: int, sp_size: int, length: int) -> di
         torch.manual_seed(0)
         model = RingModel(heads, kv_heads)
         compiled = torch.compile(model, backend="dcp", dynamic=True, options={
-            "inner": "aot_eager", "check_ranks": False, "buckets": [{"max_len": None, "sp_size": sp_size}]})
+            "inner": "aot_eager", "regions": regions, "check_ranks": False,
+            "buckets": [{"max_len": None, "sp_size": sp_size}]})
         x, target = torch.randn(1, length, 8), torch.randn(1, length, 8)
         for policy in RECOMPUTE_POLICIES:
             variant = Variant(sp_size, policy)
@@ -142,7 +144,8 @@ def ring_saved_bytes(heads: int, kv_heads: int, sp_size: int, length: int) -> di
 @pytest.mark.slow
 def test_ring_pricing_matches_the_compiled_variants(heads: int, kv_heads: int, sp_size: int) -> None:
     """What the compiled ring variants keep (``VariantRecord.saved_activation_bytes``: what the
-    partitioner's forward returns for backward) against the price. ``none`` and ``attention``
+    partitioner's forward returns for backward, so compiled whole: ``regions=False``) against the
+    price. ``none`` and ``attention``
     match exactly; ``selective`` keeps one more ``hidden``-wide tensor for the whole model (the
     input projection's output, a matmul output, which the profile's head does not price: -4%
     here, with two layers); ``full`` keeps one block input fewer (the partitioner recomputes the
@@ -176,6 +179,42 @@ def test_ring_pricing_matches_the_compiled_variants(heads: int, kv_heads: int, s
     compiled_block, priced_block, _ = table["block"]
     assert priced_block - compiled_block == priced - compiled, table
     assert compiled_block < compiled, table
+
+
+@pytest.fixture(scope="module")
+def regional_ring() -> dict[RecomputePolicy, tuple[int, str]]:
+    """Ring x2 over Ulysses x2 at SP 4 (2 heads), compiled in regions under every policy once."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return ring_saved_bytes(2, 2, 4, 256, regions=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", [
+    pytest.param(RecomputePolicy.NONE, marks=pytest.mark.xfail(strict=True, reason=(
+        "known: a regional ring variant keeps 5.0% more than priced under none and attention (2-2-4: "
+        "370,432 bytes kept, 352,768 priced; 3-3-2: 1,106,688 vs 1,053,696): about one hidden-wide "
+        "tensor per layer and the merge's statistics beyond the whole graph's set, not priced yet"))),
+    pytest.param(RecomputePolicy.ATTENTION, marks=pytest.mark.xfail(strict=True, reason="as none")),
+    RecomputePolicy.FULL,
+])
+def test_a_regional_ring_variant_keeps_no_more_than_priced(regional_ring, policy: RecomputePolicy) -> None:
+    """Regions are the default: what a ring variant compiled in regions keeps (counted at its first
+    call, storages) must not exceed ``saved_activation_bytes(..., regions=True)``, or a plan that
+    fits would not. ``full`` is priced as ``none`` there (the ring's exchange region is never
+    recomputed: an upper bound)."""
+    heads, kv_heads, sp_size, length = 2, 2, 4, 256
+    saved = regional_ring
+    profile = ModelProfile.transformer(
+        "ring", num_layers=2, hidden_size=heads * 16, num_heads=heads, num_kv_heads=kv_heads,
+        ffn_hidden_size=4 * heads * 16, causal=False, output_channels=8, dtype_bytes=4,
+    )
+    kept, layout = saved[policy]
+    assert "ring" in layout, layout
+    assert kept <= profile.saved_activation_bytes(length, policy, sp_size, regions=True), saved
 
 
 # --------------------------------------------------------------------------- 2: all-to-all width
