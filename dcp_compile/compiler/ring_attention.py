@@ -241,11 +241,13 @@ depend.register_autograd(_depend_backward, setup_context=_depend_setup)
 
 def merge_blocks(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
     """Online-softmax merge: ``sum_i exp(lse_i - lse) * out_i``. The shift is a detached finite
-    row maximum (it cancels), so rows where a block saw no key give weight 0 and no NaN."""
-    top = lses[0]
+    row maximum (it cancels), so rows where a block saw no key give weight 0 and no NaN. The shift
+    is computed from detached log-sum-exps: autograd records none of it, so it saves nothing (run
+    eagerly between regions, a ``where`` on the attached values saved its mask for nothing)."""
+    top = lses[0].detach()
     for lse in lses[1:]:
-        top = torch.maximum(top, lse)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top).detach()
+        top = torch.maximum(top, lse.detach())
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
     weights = [torch.exp(lse - top).unsqueeze(-1) for lse in lses]
     total = weights[0]
     merged = weights[0] * outs[0]

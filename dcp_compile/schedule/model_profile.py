@@ -249,7 +249,19 @@ class ModelProfile:
         if sp_size > 1:
             saved += self.num_attention_layers * self.attention_kept_bytes_per_token(recompute, sp_size)
             saved += self.num_cross_attention_layers * self.cross_attention_kept_bytes_per_token(recompute, sp_size)
+            if regions and recompute is RecomputePolicy.NONE:
+                saved += self.num_attention_layers * self.eager_ring_merge_bytes_per_token(sp_size)
         return float(saved)
+
+    def eager_ring_merge_bytes_per_token(self, sp_size: int) -> float:
+        """Bytes per token of a rank's share that a ring attention's merge keeps when it runs eagerly
+        between regions (``merge_blocks``: ``sum_i w_i * out_i / sum_i w_i``): autograd keeps the
+        division's numerator (fp32, the rank's heads at its ring chunk: ``hidden`` per token of its
+        share) and denominator (one fp32 per head), which a whole graph's partitioner recomputes
+        (``tests/test_memory_model.py`` counts both). Nothing where the attention is not a ring."""
+        if sp_size <= 1 or self.attention_layout(sp_size).ring == 1:
+            return 0.0
+        return float(FP32_BYTES * (self.hidden_size + self.num_heads))
 
     def cross_attention_kept_bytes_per_token(self, recompute: RecomputePolicy | str, sp_size: int) -> float:
         """Bytes per token of a rank's share that one cross-attention (queries from the sharded
