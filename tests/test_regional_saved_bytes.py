@@ -8,8 +8,7 @@ checkpointed region holds as its inputs (``compiler/regions/kept_for_backward.py
 the shapes are real), against ``ModelProfile.saved_activation_bytes(..., regions=True)`` of a
 profile of its shape. TinyGPT projects q, k and v with one linear, so a kept v keeps the fused
 projection's storage: the profile says ``fused_qkv=True``, which prices that storage under
-``none`` at SP 1 (the whole-graph test, ``test_recompute_pricing.py``, reads node sizes off the
-graph and sees views, not storages: its profile leaves ``fused_qkv`` off).
+``none`` at SP 1 (``test_recompute_pricing.py`` counts the whole graph's saved storages alike).
 """
 
 from __future__ import annotations

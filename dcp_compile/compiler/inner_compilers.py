@@ -69,11 +69,11 @@ def _tensor_bytes(value: Any) -> int:
     return numel * value.element_size()
 
 
-def _aliases_an_input(node: fx.Node) -> bool:
-    """A chain of views back to a graph input holds no memory of its own (``t`` of a weight)."""
+def _storage_owner(node: fx.Node) -> fx.Node:
+    """The node whose result owns the storage ``node`` reads: itself, or the start of its chain of views."""
     while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
         node = node.args[0]
-    return node.op == "placeholder"
+    return node
 
 
 def _is_rng_state(node: fx.Node) -> bool:
@@ -94,15 +94,18 @@ def saved_for_backward(forward: fx.GraphModule, num_user_outputs: int | None = N
     """(activation bytes, RNG-state bytes, offloaded bytes) the forward graph returns beyond the
     user outputs: on the device, and moved to host memory (``recompute=offload``, ``lean``).
 
-    What backward keeps alive: graph inputs and views of them (weights, transposed weights) are
-    not counted, they live anyway.
+    What backward keeps alive is storages, each counted once: a saved view keeps its base's
+    whole storage (a v sliced out of a fused q/k/v projection keeps the projection, as a regional
+    variant's count sees at run time). Graph inputs and views of them (weights, transposed
+    weights) are not counted, they live anyway.
     """
     output = next(n for n in forward.graph.nodes if n.op == "output")
     values = list(output.args[0])
     saved = values[num_user_outputs:] if num_user_outputs is not None else values
     activations = rng_states = offloaded = 0
-    for node in saved:
-        if not isinstance(node, fx.Node) or _aliases_an_input(node):
+    owners = dict.fromkeys(_storage_owner(node) for node in saved if isinstance(node, fx.Node))
+    for node in owners:
+        if node.op == "placeholder":
             continue
         if _is_rng_state(node):
             rng_states += _tensor_bytes(node.meta.get("val"))

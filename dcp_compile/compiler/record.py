@@ -75,7 +75,7 @@ class VariantRecord:
     packed_attention: str | None = None  # packed variants: the attention implementation and why (the table's case)
     forward_graph: str | None = None
     backward_graph: str | None = None
-    saved_activation_bytes: int | None = None  # per rank, at the traced length; inputs and their views excluded
+    saved_activation_bytes: int | None = None  # per rank, at the traced length: storages, each once; inputs and their views excluded
     saved_at_first_call: bool = False  # regions: saved_activation_bytes counted as the first call kept them
     offloaded_activation_bytes: int = 0  # saved for backward in host memory (recompute=offload, lean)
     saved_rng_state_bytes: int = 0  # generator states kept so recomputed seeded ops (SDPA) repeat their draws
