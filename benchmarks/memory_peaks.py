@@ -212,7 +212,7 @@ def measure_point(spec: ModelSpec, sp: int, policy: str, inner: str = "aot_eager
     world = fake_world(sp) if sp > 1 else contextlib.nullcontext()
     with world:
         model, inputs = _build(spec)
-        options = {"inner": inner, "check_ranks": False, **({"regions": True} if regions else {})}
+        options = {"inner": inner, "check_ranks": False, "regions": regions}  # explicit: regions are the default
         options.update({"sp_size": 1} if sp == 1 else {"buckets": [{"max_len": None, "sp_size": sp}]})
         compiled = torch.compile(model, backend="dcp", dynamic=True, options=options)
         variant = Variant(sp, policy)
