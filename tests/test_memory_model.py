@@ -113,6 +113,14 @@ class RingModel(nn.Module):
         return ((self.out(self.norm(h)) - target) ** 2).mean()
 
 
+def ring_profile(heads: int, kv_heads: int) -> ModelProfile:
+    """The price of :class:`RingModel` (head dim 16, fp32)."""
+    return ModelProfile.transformer(
+        "ring", num_layers=2, hidden_size=heads * 16, num_heads=heads, num_kv_heads=kv_heads,
+        ffn_hidden_size=4 * heads * 16, causal=False, output_channels=8, dtype_bytes=4,
+    )
+
+
 def ring_saved_bytes(heads: int, kv_heads: int, sp_size: int, length: int,
                      regions: bool = False) -> dict[RecomputePolicy, tuple[int, str]]:
     from dcp_compile.device_profile.fake_world import fake_world
@@ -160,10 +168,7 @@ def test_ring_pricing_matches_the_compiled_variants(heads: int, kv_heads: int, s
         saved = ring_saved_bytes(heads, kv_heads, sp_size, length)
     finally:
         torch.set_num_threads(threads)
-    profile = ModelProfile.transformer(
-        "ring", num_layers=2, hidden_size=heads * 16, num_heads=heads, num_kv_heads=kv_heads,
-        ffn_hidden_size=4 * heads * 16, causal=False, output_channels=8, dtype_bytes=4,
-    )
+    profile = ring_profile(heads, kv_heads)
     table = {p.value: (compiled, profile.saved_activation_bytes(length, p, sp_size), layout)
              for p, (compiled, layout) in saved.items()}
     assert all("ring" in layout for _, _, layout in table.values()), table
@@ -203,10 +208,7 @@ def test_a_regional_ring_variant_keeps_no_more_than_priced(regional_ring, policy
     ring's exchange region is never recomputed: an upper bound)."""
     heads, kv_heads, sp_size, length = 2, 2, 4, 256
     saved = regional_ring
-    profile = ModelProfile.transformer(
-        "ring", num_layers=2, hidden_size=heads * 16, num_heads=heads, num_kv_heads=kv_heads,
-        ffn_hidden_size=4 * heads * 16, causal=False, output_channels=8, dtype_bytes=4,
-    )
+    profile = ring_profile(heads, kv_heads)
     kept, layout = saved[policy]
     assert "ring" in layout, layout
     priced = profile.saved_activation_bytes(length, policy, sp_size, regions=True)

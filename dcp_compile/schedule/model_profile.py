@@ -328,7 +328,7 @@ class ModelProfile:
             # ``none`` drops the local q, k, v as SP 1 keeps them: with the storages behind them
             # (a fused projection kept alive by v's view), which nothing at SP > 1 reads again.
             return float({
-                RecomputePolicy.NONE: delivered - max(local, self.attention_input_storage_bytes_per_token),
+                RecomputePolicy.NONE: delivered - self.attention_input_bytes_per_token(1),
                 RecomputePolicy.ATTENTION: delivered,
                 RecomputePolicy.SELECTIVE: delivered + output,
                 RecomputePolicy.FULL: delivered + output,
